@@ -1,0 +1,8 @@
+"""Attention backends behind one interface, and their registration with transformers."""
+
+from nnrun.attention.base import AttentionBackend
+from nnrun.attention.context import current_backend, forward_context
+from nnrun.attention.hf_glue import ATTN_IMPLEMENTATION
+from nnrun.attention.torch_backend import TorchAttnBackend
+
+__all__ = ["ATTN_IMPLEMENTATION", "AttentionBackend", "TorchAttnBackend", "current_backend", "forward_context"]

@@ -1,0 +1,61 @@
+"""Registers the engine's attention as a transformers attention implementation.
+
+HF attention modules keep doing their own projections, norms, RoPE and output projection; only
+the `attention_interface(...)` call they make lands here, so every module path, hook point and
+output convention stays exactly HF's. Outside an engine step the same model object keeps working
+as a plain HF model with sdpa attention, so users can still call it directly.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from nnrun.attention.context import current_backend
+
+ATTN_IMPLEMENTATION = "nnrun_paged"
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, Hq, N, D]
+    key: torch.Tensor,  # [1, Hkv, N, D]
+    value: torch.Tensor,  # [1, Hkv, N, Dv]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    backend = current_backend()
+    if backend is None:  # the user calls the model directly (plain HF use): behave exactly as sdpa
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if query.shape[0] != 1 or key.shape[2] != query.shape[2]:
+        raise RuntimeError(
+            f"packed attention expects [1, H, N, D] with only this step's tokens, got query {tuple(query.shape)} "
+            f"and key {tuple(key.shape)}"
+        )
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = backend.forward(
+        module.layer_idx,
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        scaling=scaling,
+        sliding_window=kwargs.get("sliding_window"),
+        softcap=kwargs.get("softcap"),
+    )
+    return out.unsqueeze(0), None  # [1, N, Hq, Dv]
+
+
+def paged_attention_mask(*args, **kwargs) -> torch.Tensor | None:
+    """No mask inside an engine step (the backend knows each request's span); sdpa's mask outside."""
+    if current_backend() is not None:
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, paged_attention_mask)

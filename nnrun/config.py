@@ -1,0 +1,134 @@
+"""Engine configuration dataclasses, each validated where it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    """`None`/"auto" means float32 on CPU and bfloat16 on CUDA."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of float32, float16, bfloat16, got {dtype}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(set(_DTYPES))} or 'auto', got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class ModelConfig:
+    """What to load: an in-memory model, a checkpoint folder, a hub id or a bundled name."""
+
+    model: Any
+    tokenizer: Any = None
+    load_format: str = "auto"  # "auto" or "dummy" (random weights from the config)
+    max_model_len: int | None = None  # default: the model's own context length
+    revision: str | None = None
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.model is None or (isinstance(self.model, str) and not self.model.strip()):
+            raise ValueError("ModelConfig.model must name a model or be a PreTrainedModel, got nothing")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"ModelConfig.load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"ModelConfig.max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    """Paged KV cache geometry; the pool holds `num_pages * page_size` token slots per layer."""
+
+    page_size: int = 16
+    num_pages: int | None = None  # None: sized from max_total_tokens or the device's free memory
+    max_total_tokens: int | None = None  # KV capacity in tokens (rounded up to pages)
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0:
+            raise ValueError(f"CacheConfig.page_size must be positive, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages <= 0:
+            raise ValueError(f"CacheConfig.num_pages must be positive, got {self.num_pages}")
+        if self.max_total_tokens is not None and self.max_total_tokens <= 0:
+            raise ValueError(f"CacheConfig.max_total_tokens must be positive, got {self.max_total_tokens}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Admission limits of one engine step."""
+
+    max_num_seqs: int = 256  # requests running at once
+    max_num_batched_tokens: int = 8192  # new tokens in one forward (a longer prompt runs alone)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"SchedulerConfig.max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(
+                f"SchedulerConfig.max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass
+class DeviceConfig:
+    """Where the model runs and in which dtype."""
+
+    device: str = "cpu"
+    dtype: str | torch.dtype | None = None
+    attention_backend: str = "auto"  # "auto", "torch" or "flashinfer"
+    enable_cuda_graphs: bool = True
+    torch_dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        device = str(self.device)
+        if not (device == "cpu" or device.startswith("cuda") or device == "mps"):
+            raise ValueError(f"DeviceConfig.device must be 'cpu', 'cuda[:N]' or 'mps', got {self.device!r}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"DeviceConfig.device is {device!r} but CUDA is not available on this machine")
+        if self.attention_backend not in ("auto", "torch", "flashinfer"):
+            raise ValueError(
+                f"DeviceConfig.attention_backend must be 'auto', 'torch' or 'flashinfer', got {self.attention_backend!r}"
+            )
+        self.device = device
+        self.torch_dtype = resolve_dtype(self.dtype, device)
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, grouped by concern."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @classmethod
+    def from_kwargs(cls, model: Any, tokenizer: Any = None, device: str = "cpu", dtype: Any = None,
+                    **kwargs: Any) -> "EngineConfig":
+        """Route flat `LLM(...)` keywords to the config that owns them; unknown names are an error."""
+        groups: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}, DeviceConfig: {}}
+        for name, value in kwargs.items():
+            owner = next((c for c in groups if name in c.__dataclass_fields__ and c.__dataclass_fields__[name].init), None)
+            if owner is None:
+                raise ValueError(f"unknown engine option {name!r}")
+            groups[owner][name] = value
+        return cls(
+            model=ModelConfig(model=model, tokenizer=tokenizer, **groups[ModelConfig]),
+            cache=CacheConfig(**groups[CacheConfig]),
+            scheduler=SchedulerConfig(**groups[SchedulerConfig]),
+            device=DeviceConfig(device=device, dtype=dtype, **groups[DeviceConfig]),
+        )

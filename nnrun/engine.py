@@ -1,0 +1,247 @@
+"""LLM: the user-facing engine (vLLM's API), serving callers from any thread."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+
+from nnrun.config import EngineConfig
+from nnrun.engine_core import EngineCore
+from nnrun.model_runner import ModelRunner
+from nnrun.outputs import RequestOutput
+from nnrun.request import Request
+from nnrun.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class RequestHandle:
+    """The caller's side of one request: wait for its output, or stream it."""
+
+    def __init__(self, request: Request, stream: bool) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self._done = threading.Event()
+        self._stream: queue.Queue | None = queue.Queue() if stream else None
+        self._output: RequestOutput | None = None
+
+    def _publish(self, output: RequestOutput) -> None:
+        if self._stream is not None:
+            self._stream.put(output)
+        if output.finished:
+            self._output = output
+            self._done.set()
+
+    def result(self, timeout: float | None = None) -> RequestOutput:
+        """Block until the request finishes; raises the request's error if it failed."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        if self.request.error is not None:
+            raise self.request.error
+        return self._output
+
+    def stream(self) -> Iterator[RequestOutput]:
+        """Outputs as tokens are produced, ending with the finished one."""
+        if self._stream is None:
+            raise RuntimeError("submit(..., stream=True) to stream a request")
+        while True:
+            output = self._stream.get()
+            if self.request.error is not None and output.finished:
+                raise self.request.error
+            yield output
+            if output.finished:
+                return
+
+
+class LLM:
+    """A continuous-batching engine over an unmodified HF model.
+
+    `LLM(model, tokenizer=None, device="cpu", dtype=None, **engine_kwargs)`: `model` is a
+    `PreTrainedModel`, a checkpoint folder, a hub id or a bundled name such as "tiny-facts";
+    engine keywords are the fields of the config dataclasses (page_size, max_total_tokens,
+    max_num_seqs, max_num_batched_tokens, max_model_len, load_format, ...).
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, device: str = "cpu", dtype: Any = None,
+                 runner_cls: type[ModelRunner] = ModelRunner, **engine_kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model, tokenizer, device=device, dtype=dtype, **engine_kwargs)
+        self.runner = runner_cls(self.config)
+        self.runner.initialize()
+        self.model = self.runner.model
+        self.tokenizer = self.runner.tokenizer
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.core = EngineCore(self.runner, _eos_token_ids(self.model, self.tokenizer))
+        self._ids = itertools.count()
+        self._arrivals = itertools.count(1)
+        self._handles: dict[str, RequestHandle] = {}
+        self._inbox: list[Request] = []
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- public API -----------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = self._params_per_prompt(sampling_params, len(prompt_list))
+        requests = [self.make_request(p, sp, index=i) for i, (p, sp) in enumerate(zip(prompt_list, params_list))]
+        handles = [self._enqueue(req, stream=False) for req in requests]
+        if use_tqdm:
+            from tqdm import tqdm
+
+            handles = tqdm(handles, desc="generate")
+        return [handle.result() for handle in handles]
+
+    def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield a RequestOutput after every new token of one prompt."""
+        return self.submit(prompt, sampling_params, stream=True).stream()
+
+    def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
+               request_id: str | None = None, extra_args: dict | None = None, preemptible: bool = True,
+               stream: bool = False) -> RequestHandle:
+        """Queue one request (thread-safe) and return its handle."""
+        req = self.make_request(prompt, sampling_params or SamplingParams(), request_id=request_id,
+                                extra_args=extra_args, preemptible=preemptible)
+        return self._enqueue(req, stream)
+
+    def shutdown(self) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.runner.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- requests -------------------------------------------------------------------------
+    def make_request(self, prompt: Prompt, params: SamplingParams, *, index: int | None = None,
+                     request_id: str | None = None, extra_args: dict | None = None,
+                     preemptible: bool = True) -> Request:
+        """Validate and tokenize on the caller's thread, so bad input never reaches the engine."""
+        where = "prompt" if index is None else f"prompts[{index}]"
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt, where)
+        limit = min(self.runner.max_model_len, self.runner.max_total_tokens)
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"{where} has {len(token_ids)} tokens, but the context holds {self.runner.max_model_len} "
+                f"(max_model_len) and the KV pool {self.runner.max_total_tokens} tokens; at least one new token must fit"
+            )
+        req = Request(
+            request_id=request_id or str(next(self._ids)), prompt_token_ids=token_ids, sampling_params=params,
+            prompt=text, extra_args=dict(extra_args or {}), is_preemptible=preemptible,
+        )
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
+        if params.prompt_logprobs is not None and len(token_ids) == 1:
+            req.prompt_logprobs = [None]
+        return req
+
+    def _tokenize(self, prompt: Prompt, where: str) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"{where} is an empty string")
+            if self.tokenizer is None:
+                raise ValueError(f"{where} is text but the model has no tokenizer; pass token ids or tokenizer=")
+            return prompt, list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.flatten().tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"{where} must be a string or a list of token ids, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError(f"{where} has no token ids")
+        for position, token in enumerate(prompt):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise ValueError(
+                    f"{where} token id {token!r} at position {position} is out of the vocabulary [0, {self.vocab_size})"
+                )
+        return None, list(prompt)
+
+    @staticmethod
+    def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams() for _ in range(count)]
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        if len(params) != count:
+            raise ValueError(f"sampling_params has {len(params)} entries for {count} prompts")
+        return params
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def _enqueue(self, req: Request, stream: bool) -> RequestHandle:
+        handle = RequestHandle(req, stream)
+        with self._wakeup:
+            if self._stopping:
+                raise RuntimeError("the engine has been shut down")
+            if req.request_id in self._handles:
+                raise ValueError(f"request_id {req.request_id!r} is already in use")
+            req.arrival_order = next(self._arrivals)
+            self._handles[req.request_id] = handle
+            self._inbox.append(req)
+            self._wakeup.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="nnrun-engine", daemon=True)
+                self._thread.start()
+        return handle
+
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._inbox and not self.core.has_unfinished and not self._stopping:
+                    self._wakeup.wait()
+                if self._stopping:
+                    self._publish(self.core.abort_all(RuntimeError("the engine was shut down")))
+                    return
+                inbox, self._inbox = self._inbox, []
+            for req in inbox:
+                self.core.add_request(req)
+            try:
+                stepped, finished = self.core.step()
+            except Exception as error:  # an engine bug must not strand callers: fail what is in flight
+                finished, stepped = self.core.abort_all(error), []
+            self._publish(stepped, finished)
+
+    def _publish(self, stepped: Iterable[Request], finished: Iterable[Request] = ()) -> None:
+        for req in itertools.chain(stepped, finished):
+            handle = self._handles.get(req.request_id)
+            if handle is None:
+                continue
+            if handle._stream is not None or req.is_finished:
+                text = req.text if req.is_finished else self.core.stop_checker.detokenize(req)
+                handle._publish(RequestOutput.from_request(req, text))
+            if req.is_finished:
+                self._handles.pop(req.request_id, None)
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
+def _eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None) if generation_config is not None else None
+    for source in (eos, getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(t) for t in source)
+    return ids

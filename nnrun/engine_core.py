@@ -1,0 +1,117 @@
+"""EngineCore: one step of the engine (schedule, forward, sample, update), single-threaded."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from nnrun.forward_batch import ForwardMode
+from nnrun.model_runner import LogitsProcessorOutput, ModelRunner
+from nnrun.request import Request
+from nnrun.sampler import SamplerOutput, compute_logprobs
+from nnrun.scheduler import Scheduler
+from nnrun.stop import StopChecker
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Drives the runner with the scheduler; knows nothing about threads or callers."""
+
+    def __init__(self, runner: ModelRunner, eos_token_ids: set[int]) -> None:
+        self.runner = runner
+        self.stop_checker = StopChecker(eos_token_ids, runner.max_model_len, runner.tokenizer)
+        self.scheduler = Scheduler(runner.config.scheduler, runner.allocator, runner.req_to_token_pool,
+                                   self.stop_checker)
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> tuple[list[Request], list[Request]]:
+        """Run one step; returns (requests that got a token, requests that finished)."""
+        with self.runner.step_lock:
+            batch = self.scheduler.schedule()
+            finished = self._drain_scheduler_failures()
+            if batch is None:
+                self._finish(finished)
+                return [], finished
+            reqs = batch.reqs
+            if batch.forward_mode is ForwardMode.DECODE:
+                forward_batch = self.runner.prepare_forward_batch_decode(reqs)
+            else:
+                forward_batch = self.runner.prepare_forward_batch_extend(reqs)
+            try:
+                logits_output = self.runner.forward(forward_batch)
+                sampler_output = self.runner.sample(logits_output, forward_batch)
+                self._record_prompt_logprobs(reqs, logits_output)
+                token_logprobs = self._token_logprobs(reqs, sampler_output)
+                next_ids = sampler_output.token_ids.tolist()
+            except Exception as error:  # a failure of the step itself: its requests end, the engine goes on
+                logger.exception("engine step failed")
+                finished += self.scheduler.fail_requests(reqs, error)
+            else:
+                finished += self.scheduler.process_batch_result(reqs, next_ids, token_logprobs)
+            finished += self._drain_scheduler_failures()
+            self._finish(finished)
+            return reqs, finished
+
+    def abort_all(self, error: BaseException) -> list[Request]:
+        with self.runner.step_lock:
+            finished = self.scheduler.abort_all(error)
+            self._finish(finished)
+            return finished
+
+    def _finish(self, finished: list[Request]) -> None:
+        if not finished:
+            return
+        for req in finished:
+            if not req.text and req.error is None:
+                req.text = self.stop_checker.detokenize(req)
+        try:
+            self.runner.finish_requests(finished)
+        except Exception as error:
+            logger.exception("runner.finish_requests failed")
+            for req in finished:
+                req.fail(error)
+
+    def _drain_scheduler_failures(self) -> list[Request]:
+        failed, self.scheduler.just_failed = self.scheduler.just_failed, []
+        return failed
+
+    @staticmethod
+    def _token_logprobs(reqs: list[Request], out: SamplerOutput) -> list[dict[int, float] | None]:
+        result: list[dict[int, float] | None] = []
+        for row, req in enumerate(reqs):
+            num_top = req.sampling_params.logprobs
+            if num_top is None or out.logprobs is None:
+                result.append(None)
+                continue
+            entry = {}
+            if num_top and out.top_logprob_ids is not None:
+                ids, lps = out.top_logprob_ids[row, :num_top].tolist(), out.top_logprobs[row, :num_top].tolist()
+                entry.update(zip(ids, lps))
+            entry[int(out.token_ids[row])] = float(out.logprobs[row])
+            result.append(entry)
+        return result
+
+    @staticmethod
+    def _record_prompt_logprobs(reqs: list[Request], logits_output: LogitsProcessorOutput) -> None:
+        if logits_output.prompt_logits is None:
+            return
+        for req, logits in zip(reqs, logits_output.prompt_logits):
+            if logits is None:
+                continue
+            num_top = req.sampling_params.prompt_logprobs
+            targets = torch.tensor(req.prompt_token_ids[1:], dtype=torch.int64, device=logits.device)  # [T-1]
+            target_lps, top_ids, top_lps = compute_logprobs(logits, targets, num_top)
+            entries: list[dict[int, float] | None] = [None]
+            for pos, (target, lp) in enumerate(zip(targets.tolist(), target_lps.tolist())):
+                entry = dict(zip(top_ids[pos].tolist(), top_lps[pos].tolist())) if top_ids is not None else {}
+                entry[target] = lp
+                entries.append(entry)
+            req.prompt_logprobs = entries

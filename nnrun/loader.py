@@ -1,0 +1,132 @@
+"""Loading: an in-memory model, a checkpoint folder, a hub id, a bundled name, or dummy weights."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+from nnrun.config import DeviceConfig, ModelConfig
+
+UNSAFE_ROPE_TYPES = ("dynamic", "longrope")
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: Any  # a HF tokenizer, or None (then prompts must be token ids)
+    name: str  # what the user gave, for manifests and messages
+
+
+def load_model(model_config: ModelConfig, device_config: DeviceConfig) -> LoadedModel:
+    """Build the HF model on the configured device and dtype, in eval mode."""
+    source = model_config.model
+    if isinstance(source, PreTrainedModel):
+        model, name, path = source, type(source).__name__, getattr(source, "name_or_path", None) or None
+        if device_config.dtype is None:
+            device_config.torch_dtype = model.dtype  # an in-memory model keeps its own dtype by default
+    elif model_config.load_format == "dummy":
+        model, name, path = _build_dummy(source, model_config, device_config.torch_dtype)
+    else:
+        name, path = str(source), _resolve_path(str(source))
+        model = _from_pretrained(path, model_config, device_config.torch_dtype)
+    model = model.to(device=device_config.device, dtype=device_config.torch_dtype).eval()
+    check_model_supported(model.config)
+    tokenizer = _load_tokenizer(model_config.tokenizer, path, model_config)
+    return LoadedModel(model, tokenizer, name)
+
+
+def _resolve_path(source: str) -> str:
+    if os.path.isdir(source):
+        return source
+    from nnrun.assets import bundled_model_path, is_bundled_model
+
+    if is_bundled_model(source):
+        return str(bundled_model_path(source))
+    return source  # a hub id: from_pretrained finds it in the local cache or downloads it
+
+
+def _from_pretrained(path: str, model_config: ModelConfig, dtype: torch.dtype) -> PreTrainedModel:
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, revision=model_config.revision, trust_remote_code=model_config.trust_remote_code
+        )
+    except OSError as error:
+        raise ValueError(
+            f"could not load model {path!r}: it is not a local checkpoint folder, not a bundled model "
+            f"(tiny-facts, tiny-facts-gpt2), and the HF hub did not provide it (not in the local cache, "
+            f"or no network): {error}"
+        ) from error
+
+
+def _build_dummy(source: Any, model_config: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedModel, str, str | None]:
+    """Random weights in the real shapes: for benchmarks of real architectures without downloads."""
+    if isinstance(source, PretrainedConfig):
+        config, name, path = source, f"dummy-{source.model_type}", None
+    else:
+        path = _resolve_path(str(source))
+        try:
+            config = AutoConfig.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
+        except OSError as error:
+            raise ValueError(f"load_format='dummy' needs a config: could not load one for {source!r}: {error}") from error
+        name = str(source)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model_config.trust_remote_code)
+    return model, name, path
+
+
+def _load_tokenizer(tokenizer: Any, path: str | None, model_config: ModelConfig) -> Any:
+    if tokenizer is not None and not isinstance(tokenizer, str):
+        return tokenizer
+    source = tokenizer if isinstance(tokenizer, str) else path
+    if source is None:
+        return None
+    source = _resolve_path(source)
+    try:
+        return AutoTokenizer.from_pretrained(
+            source, revision=model_config.revision, trust_remote_code=model_config.trust_remote_code
+        )
+    except (OSError, ValueError):
+        if tokenizer is not None:
+            raise ValueError(f"could not load tokenizer {tokenizer!r}") from None
+        return None  # a checkpoint without tokenizer files: token-id prompts still work
+
+
+def check_model_supported(config: PretrainedConfig) -> None:
+    """Refuse models whose numbers for one request would depend on the others in a packed batch."""
+    for rope in _rope_settings(config):
+        rope_type = rope.get("rope_type") or rope.get("type")
+        if rope_type in UNSAFE_ROPE_TYPES:
+            raise ValueError(
+                f"model config has rope_type={rope_type!r}: its RoPE frequencies depend on the longest position "
+                "in the whole batch, so packed requests would change each other's results; nnrun refuses "
+                "such models (use a static RoPE scaling: default, linear, llama3 or yarn)"
+            )
+
+
+def _rope_settings(config: PretrainedConfig) -> list[dict]:
+    found: list[dict] = []
+    configs = [config] + [getattr(config, key) for key in ("text_config",) if getattr(config, key, None) is not None]
+    for cfg in configs:
+        for attr in ("rope_scaling", "rope_parameters"):
+            value = getattr(cfg, attr, None)
+            if isinstance(value, dict):
+                nested = [v for v in value.values() if isinstance(v, dict)]
+                found.extend(nested or [value])
+    return found
+
+
+def max_context_len(config: PretrainedConfig) -> int:
+    """The longest sequence the model's positions support."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        for attr in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
+            value = getattr(cfg, attr, None) if cfg is not None else None
+            if isinstance(value, int) and value > 0:
+                return value
+    return 2048
+
+
+__all__ = ["LoadedModel", "check_model_supported", "load_model", "max_context_len"]

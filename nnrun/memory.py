@@ -1,0 +1,124 @@
+"""KV memory: the paged per-layer pools, the page allocator and the request -> slots table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class TokenToKVPoolAllocator:
+    """Hands out KV pages; a token's slot is `page * page_size + offset` in every layer's pool.
+
+    CPU bookkeeping only. `alloc` returns None instead of raising when the pool is exhausted, and
+    `free` ignores pages that are already free, so a double free cannot hand one page to two requests.
+    """
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self._free_pages: list[int] = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._is_free = [True] * num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def num_free_tokens(self) -> int:
+        return self.num_free_pages * self.page_size
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def alloc(self, num_pages: int) -> list[int] | None:
+        if num_pages > len(self._free_pages):
+            return None
+        pages = [self._free_pages.pop() for _ in range(num_pages)]
+        for page in pages:
+            self._is_free[page] = False
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        for page in pages:
+            if not self._is_free[page]:
+                self._is_free[page] = True
+                self._free_pages.append(page)
+
+    def check_no_leaks(self) -> None:
+        """Raise if any page is still held (call when no request is alive)."""
+        held = self.num_pages - self.num_free_pages
+        if held:
+            raise AssertionError(f"KV leak: {held} of {self.num_pages} pages are still allocated")
+
+
+class ReqToTokenPool:
+    """One row per live request: the KV slot of each of its tokens, in token order."""
+
+    def __init__(self, max_num_reqs: int, max_context_len: int) -> None:
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((max_num_reqs, max_context_len), dtype=torch.int64)  # [rows, max_len] (CPU)
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def alloc(self) -> int | None:
+        return self._free_rows.pop() if self._free_rows else None
+
+    def free(self, row: int) -> None:
+        if row not in self._free_rows:
+            self._free_rows.append(row)
+
+    def write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        self.req_to_token[row, start : start + slots.numel()] = slots
+
+    def slots(self, row: int, end: int) -> torch.Tensor:
+        return self.req_to_token[row, :end]
+
+
+@dataclass(frozen=True)
+class LayerKVShape:
+    """What one attention layer stores per token; read off the model by the load-time probe."""
+
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+
+class KVPool:
+    """Per-layer K and V pages, NHD layout `[num_pages, page_size, num_kv_heads, head_dim]`."""
+
+    def __init__(self, layer_shapes: list[LayerKVShape], num_pages: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.k_pages = [
+            torch.zeros((num_pages, page_size, s.num_kv_heads, s.head_dim), dtype=dtype, device=device)
+            for s in layer_shapes
+        ]
+        self.v_pages = [
+            torch.zeros((num_pages, page_size, s.num_kv_heads, s.v_head_dim), dtype=dtype, device=device)
+            for s in layer_shapes
+        ]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k_pages)
+
+    def k_flat(self, layer_idx: int) -> torch.Tensor:
+        return self.k_pages[layer_idx].view(-1, *self.k_pages[layer_idx].shape[2:])  # [slots, Hkv, D]
+
+    def v_flat(self, layer_idx: int) -> torch.Tensor:
+        return self.v_pages[layer_idx].view(-1, *self.v_pages[layer_idx].shape[2:])  # [slots, Hkv, Dv]
+
+    def write(self, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k: [N, Hkv, D], v: [N, Hkv, Dv], slots: [N]."""
+        self.k_flat(layer_idx).index_copy_(0, slots, k.to(self.k_pages[layer_idx].dtype))
+        self.v_flat(layer_idx).index_copy_(0, slots, v.to(self.v_pages[layer_idx].dtype))
+
+    @staticmethod
+    def bytes_per_token(layer_shapes: list[LayerKVShape], dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return sum(s.num_kv_heads * (s.head_dim + s.v_head_dim) for s in layer_shapes) * itemsize

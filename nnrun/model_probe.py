@@ -1,0 +1,60 @@
+"""Load-time probe: run two tokens through the model and record what each attention layer needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nnrun.attention.base import AttentionBackend
+from nnrun.attention.context import forward_context
+from nnrun.memory import LayerKVShape
+
+
+@dataclass(frozen=True)
+class AttentionLayerInfo:
+    """One attention layer as the model actually calls it."""
+
+    layer_idx: int
+    num_q_heads: int
+    kv_shape: LayerKVShape
+    scaling: float
+    sliding_window: int | None
+    softcap: float | None
+
+
+class _ProbeBackend(AttentionBackend):
+    """Records each attention call; returns zeros (the probe's outputs are never used)."""
+
+    name = "probe"
+
+    def __init__(self) -> None:
+        self.calls: list[AttentionLayerInfo] = []
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        pass
+
+    def forward(self, layer_idx, q, k, v, scaling, sliding_window, softcap):
+        shape = LayerKVShape(num_kv_heads=k.shape[1], head_dim=k.shape[2], v_head_dim=v.shape[2])
+        self.calls.append(AttentionLayerInfo(layer_idx, q.shape[1], shape, scaling, sliding_window, softcap))
+        return q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
+
+
+def probe_attention_layers(model: torch.nn.Module, device: torch.device) -> list[AttentionLayerInfo]:
+    """Per-layer K/V shapes, scale, window and softcap, indexed by `module.layer_idx`."""
+    probe = _ProbeBackend()
+    input_ids = torch.zeros((1, 2), dtype=torch.int64, device=device)  # [1, 2]
+    positions = torch.arange(2, device=device)[None]  # [1, 2]
+    with forward_context(probe), torch.no_grad():
+        model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+    layer_ids = [call.layer_idx for call in probe.calls]
+    if sorted(layer_ids) != list(range(len(layer_ids))):
+        raise ValueError(
+            f"unsupported model: attention layers report layer_idx {layer_ids}; nnrun needs each layer to "
+            "call attention once per forward with a unique layer_idx 0..L-1 (shared-KV layers are not supported)"
+        )
+    for call in probe.calls:
+        if call.num_q_heads % call.kv_shape.num_kv_heads:
+            raise ValueError(f"layer {call.layer_idx}: {call.num_q_heads} query heads are not a multiple of "
+                             f"{call.kv_shape.num_kv_heads} KV heads")
+    return sorted(probe.calls, key=lambda call: call.layer_idx)

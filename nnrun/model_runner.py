@@ -1,0 +1,241 @@
+"""ModelRunner: owns the HF model, the KV pools and the attention backend; runs one step."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+
+from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBackend, forward_context
+from nnrun.config import EngineConfig
+from nnrun.forward_batch import ForwardBatch, ForwardMode
+from nnrun.loader import load_model, max_context_len
+from nnrun.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
+from nnrun.request import Request
+from nnrun.sampler import Sampler, SamplerOutput, SamplingRow
+from nnrun.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_BUDGET_BYTES = 2 << 30  # default KV pool on CPU when no size is given
+
+
+@dataclass
+class LogitsProcessorOutput:
+    next_token_logits: torch.Tensor  # [B, V] one row per request (its last new token), batch order
+    hidden_states: torch.Tensor | None = None
+    prompt_logits: list[torch.Tensor | None] | None = None  # per request [T-1, V] when prompt logprobs are asked
+
+
+class ModelRunner:
+    """Runs the unmodified HF module tree over one flat packed batch per step."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device.device)
+        self.sampler = Sampler()
+        self.step_lock = threading.RLock()  # one forward at a time: engine steps and run_prefill_only
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def initialize(self) -> None:
+        self.load_model()
+        self.init_memory_pool()
+        self.init_attention_backend()
+        self.init_cuda_graphs()
+
+    def load_model(self) -> None:
+        loaded = load_model(self.config.model, self.config.device)
+        self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
+        self.dtype = self.config.device.torch_dtype
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.layers: list[AttentionLayerInfo] = probe_attention_layers(self.model, self.device)
+        model_len = max_context_len(self.model.config)
+        self.max_model_len = min(self.config.model.max_model_len or model_len, model_len)
+
+    def init_memory_pool(self) -> None:
+        cache = self.config.cache
+        shapes = [layer.kv_shape for layer in self.layers]
+        if cache.num_pages is not None:
+            num_pages = cache.num_pages
+        elif cache.max_total_tokens is not None:
+            num_pages = -(-cache.max_total_tokens // cache.page_size)
+        else:
+            budget = self._kv_budget_bytes()
+            num_pages = max(1, budget // (KVPool.bytes_per_token(shapes, self.dtype) * cache.page_size))
+            num_pages = min(num_pages, -(-self.config.scheduler.max_num_seqs * self.max_model_len // cache.page_size))
+        self.kv_pool = KVPool(shapes, num_pages, cache.page_size, self.dtype, self.device)
+        self.allocator = TokenToKVPoolAllocator(num_pages, cache.page_size)
+        self.max_total_tokens = num_pages * cache.page_size
+        self.req_to_token_pool = ReqToTokenPool(
+            self.config.scheduler.max_num_seqs + 1, min(self.max_model_len, self.max_total_tokens)
+        )
+
+    def _kv_budget_bytes(self) -> int:
+        if self.device.type != "cuda":
+            return CPU_KV_BUDGET_BYTES
+        free, _total = torch.cuda.mem_get_info(self.device)
+        return int(free * self.config.cache.gpu_memory_utilization)
+
+    def init_attention_backend(self) -> None:
+        self.attn_backend: AttentionBackend = TorchAttnBackend(self.kv_pool, self.device)
+        logger.info("nnrun attention backend: %s", self.attn_backend.name)
+
+    def init_cuda_graphs(self) -> None:
+        """Decode CUDA graphs are a CUDA-only optimisation; every step runs eagerly elsewhere."""
+
+    def shutdown(self) -> None:
+        self.kv_pool = None
+        self.attn_backend = None
+
+    @property
+    def is_generation(self) -> bool:
+        return bool(getattr(self.model, "can_generate", lambda: True)())
+
+    @property
+    def sliding_window_size(self) -> int | None:
+        windows = [layer.sliding_window for layer in self.layers if layer.sliding_window is not None]
+        return max(windows) if windows else None
+
+    # ---- one step -------------------------------------------------------------------------
+    def prepare_forward_batch_extend(self, reqs: list[Request]) -> ForwardBatch:
+        return self._prepare_forward_batch(reqs, ForwardMode.EXTEND)
+
+    def prepare_forward_batch_decode(self, reqs: list[Request]) -> ForwardBatch:
+        return self._prepare_forward_batch(reqs, ForwardMode.DECODE)
+
+    def _prepare_forward_batch(self, reqs: list[Request], mode: ForwardMode) -> ForwardBatch:
+        """Every uncached token of each request (no chunking); the scheduler has allocated the pages."""
+        page_size = self.allocator.page_size
+        input_ids, positions, out_cache_loc, kv_slots = [], [], [], []
+        extend_lens, starts, prefix_lens = [], [], []
+        logits_indices, next_rows, prompt_rows = [], [], []
+        num_tokens = 0
+        for req in reqs:
+            prefix, seq_len = req.num_computed_tokens, req.num_tokens
+            position = torch.arange(prefix, seq_len)  # [q_len]
+            pages = torch.tensor(req.page_ids, dtype=torch.int64)
+            slots = pages[position // page_size] * page_size + position % page_size  # [q_len]
+            self.req_to_token_pool.write(req.req_pool_idx, prefix, slots)
+            input_ids.extend(req.all_token_ids[prefix:seq_len])
+            positions.append(position)
+            out_cache_loc.append(slots)
+            kv_slots.append(self.req_to_token_pool.slots(req.req_pool_idx, seq_len).clone())
+            extend_lens.append(seq_len - prefix)
+            starts.append(num_tokens)
+            prefix_lens.append(prefix)
+            if self._wants_prompt_logits(req):
+                prompt_rows.append((len(logits_indices), len(logits_indices) + seq_len - 1))
+                logits_indices.extend(range(num_tokens, num_tokens + seq_len))
+            else:
+                prompt_rows.append(None)
+                logits_indices.append(num_tokens + seq_len - prefix - 1)
+            next_rows.append(len(logits_indices) - 1)
+            num_tokens += seq_len - prefix
+        return ForwardBatch(
+            forward_mode=mode,
+            reqs=reqs,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            positions=torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64),
+            out_cache_loc=torch.cat(out_cache_loc) if out_cache_loc else torch.zeros(0, dtype=torch.int64),
+            extend_seq_lens=extend_lens,
+            extend_start_loc=starts,
+            prefix_lens=prefix_lens,
+            kv_slots=kv_slots,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            next_token_logits_rows=next_rows,
+            prompt_logits_rows=prompt_rows,
+        )
+
+    @staticmethod
+    def _wants_prompt_logits(req: Request) -> bool:
+        return (req.sampling_params.prompt_logprobs is not None and req.prompt_logprobs is None
+                and req.num_computed_tokens == 0 and len(req.prompt_token_ids) > 1)
+
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """One packed `[1, N]` call of the HF model, then the logits rows the step needs."""
+        logits = self.run_model(forward_batch)  # [R, V]
+        return self.process_logits(logits, forward_batch)
+
+    def run_model(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        self.attn_backend.init_forward_metadata(forward_batch)
+        with forward_context(self.attn_backend), self.grad_context(forward_batch):
+            output = self.model(
+                input_ids=forward_batch.input_ids.to(self.device)[None],
+                position_ids=forward_batch.positions.to(self.device)[None],
+                use_cache=False,
+                logits_to_keep=forward_batch.logits_indices.to(self.device),
+            )
+        return output.logits[0]
+
+    def grad_context(self, forward_batch: ForwardBatch) -> AbstractContextManager:
+        """Autograd is off for serving; subclasses turn it on for requests that ask for gradients."""
+        return torch.no_grad()
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        prompt_logits = [None if rows is None else logits[rows[0] : rows[1]] for rows in forward_batch.prompt_logits_rows]
+        return LogitsProcessorOutput(
+            next_token_logits=logits[forward_batch.next_token_logits_rows],
+            prompt_logits=prompt_logits if any(p is not None for p in prompt_logits) else None,
+        )
+
+    def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> SamplerOutput:
+        rows = [
+            SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids, req.generator)
+            for req in forward_batch.reqs
+        ]
+        with torch.no_grad():
+            return self.sampler(logits_output.next_token_logits, rows)
+
+    def finish_requests(self, reqs: list[Request]) -> None:
+        """Called by the engine once requests have finished; subclasses collect per-request results."""
+
+    # ---- extraction -----------------------------------------------------------------------
+    def run_prefill_only(self, token_id_lists: list[list[int]]) -> ForwardBatch:
+        """One packed forward of several prompts with no logits; their KV is freed right after.
+
+        Module hooks registered by the caller see the flat `[1, N, ...]` values; prompt i owns
+        tokens `extend_start_loc[i] : extend_start_loc[i] + extend_seq_lens[i]`.
+        """
+        with self.step_lock:
+            reqs = [Request(f"prefill-{i}", list(ids), _PREFILL_PARAMS) for i, ids in enumerate(token_id_lists)]
+            try:
+                for req in reqs:
+                    self._hold_kv(req)
+                forward_batch = self.prepare_forward_batch_extend(reqs)
+                forward_batch.logits_indices = torch.zeros(0, dtype=torch.int64)
+                forward_batch.next_token_logits_rows = []
+                forward_batch.prompt_logits_rows = [None] * len(reqs)
+                self.run_model(forward_batch)
+            finally:
+                for req in reqs:
+                    self.release_kv(req)
+            return forward_batch
+
+    def _hold_kv(self, req: Request) -> None:
+        if not 0 < req.num_tokens <= self.req_to_token_pool.max_context_len:
+            raise ValueError(f"prompt of {req.num_tokens} tokens does not fit the KV pool / context")
+        pages = self.allocator.alloc(self.allocator.pages_needed(req.num_tokens))
+        row = self.req_to_token_pool.alloc()
+        if pages is None or row is None:
+            self.allocator.free(pages or [])
+            if row is not None:
+                self.req_to_token_pool.free(row)
+            raise RuntimeError("the KV pool is full; pass fewer or shorter prompts per call")
+        req.page_ids, req.req_pool_idx = pages, row
+
+    def release_kv(self, req: Request) -> None:
+        """Free a request's pages and table row (safe to call twice)."""
+        self.allocator.free(req.page_ids)
+        req.page_ids = []
+        if req.req_pool_idx is not None:
+            self.req_to_token_pool.free(req.req_pool_idx)
+            req.req_pool_idx = None
+        req.num_computed_tokens = 0
+
+
+_PREFILL_PARAMS = SamplingParams(max_tokens=1)

@@ -1,0 +1,180 @@
+"""Scheduler: which requests run in the next step, within the token, sequence and KV budgets."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from nnrun.config import SchedulerConfig
+from nnrun.forward_batch import ForwardMode
+from nnrun.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from nnrun.request import FinishReason, Request, RequestStatus
+from nnrun.stop import StopChecker
+
+
+@dataclass
+class ScheduledBatch:
+    reqs: list[Request]
+    forward_mode: ForwardMode
+
+
+class Scheduler:
+    """Continuous batching: running requests decode, waiting ones are admitted when budgets allow.
+
+    Every request's uncached tokens run in one step (no chunked prefill), so a traced request sees
+    each prompt token in exactly one forward. When the KV pool runs dry the newest preemptible
+    request is preempted: its KV is freed and it is recomputed from its tokens later.
+    """
+
+    def __init__(self, config: SchedulerConfig, allocator: TokenToKVPoolAllocator,
+                 req_to_token_pool: ReqToTokenPool, stop_checker: StopChecker) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.stop_checker = stop_checker
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.just_failed: list[Request] = []  # finished by the scheduler itself; the engine drains this
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add_request(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    # ---- choosing a step ------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch | None:
+        scheduled = self._schedule_running()
+        num_prefill_tokens = 0
+        budget = self.config.max_num_batched_tokens - len(scheduled)
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            num_new = req.num_tokens - req.num_computed_tokens
+            # A prompt longer than the whole budget runs in a step of its own prefills.
+            if num_prefill_tokens + num_new > budget and num_prefill_tokens > 0:
+                break
+            if not self._hold_kv(req, req.num_tokens):
+                if not self.running and not scheduled:
+                    self.waiting.popleft()
+                    self._finish(req, FinishReason.ERROR, RuntimeError(
+                        f"request {req.request_id} needs {req.num_tokens} KV slots but the whole pool has "
+                        f"{self.allocator.num_free_tokens} free"))
+                    self.just_failed.append(req)
+                    continue
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(req)
+            num_prefill_tokens += num_new
+        if not scheduled:
+            if self.running:  # only unpreemptible requests hold the pool and none can grow: fail the newest
+                stuck = max(self.running, key=lambda r: r.arrival_order)
+                stuck.fail(RuntimeError(
+                    f"KV pool exhausted: request {stuck.request_id} cannot grow and no running request may be "
+                    "preempted; give the engine a larger pool (max_total_tokens / num_pages)"))
+                self._finish(stuck, FinishReason.ERROR, stuck.error)
+                self.just_failed.append(stuck)
+            return None
+        is_decode = all(r.num_computed_tokens == r.num_tokens - 1 and r.num_computed_tokens > 0 for r in scheduled)
+        return ScheduledBatch(scheduled, ForwardMode.DECODE if is_decode else ForwardMode.EXTEND)
+
+    def _schedule_running(self) -> list[Request]:
+        """Running requests, oldest first, each given KV for its next token, preempting if needed."""
+        scheduled: list[Request] = []
+        for req in list(self.running):
+            if req.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            while not self._hold_kv(req, req.num_tokens):
+                victim = self._pick_victim(exclude=scheduled)
+                if victim is None:
+                    break
+                self._preempt(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append(req)
+        return scheduled
+
+    def _pick_victim(self, exclude: list[Request]) -> Request | None:
+        candidates = [r for r in self.running if r.is_preemptible and r not in exclude]
+        return max(candidates, key=lambda r: r.arrival_order) if candidates else None
+
+    def _preempt(self, req: Request) -> None:
+        self._release_kv(req)
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _hold_kv(self, req: Request, num_tokens: int) -> bool:
+        """Make sure `req` has pages (and a table row) for `num_tokens` tokens."""
+        if req.req_pool_idx is None:
+            row = self.req_to_token_pool.alloc()
+            if row is None:
+                return False
+            req.req_pool_idx = row
+        missing = self.allocator.pages_needed(num_tokens) - len(req.page_ids)
+        if missing > 0:
+            pages = self.allocator.alloc(missing)
+            if pages is None:
+                if not req.page_ids:
+                    self.req_to_token_pool.free(req.req_pool_idx)
+                    req.req_pool_idx = None
+                return False
+            req.page_ids.extend(pages)
+        return True
+
+    def _release_kv(self, req: Request) -> None:
+        self.allocator.free(req.page_ids)
+        req.page_ids = []
+        if req.req_pool_idx is not None:
+            self.req_to_token_pool.free(req.req_pool_idx)
+            req.req_pool_idx = None
+        req.num_computed_tokens = 0
+
+    # ---- after the step -------------------------------------------------------------------
+    def process_batch_result(self, reqs: list[Request], next_token_ids: list[int],
+                             logprobs: list[dict[int, float] | None]) -> list[Request]:
+        """Append each request's new token and finish those that stop; returns the finished ones."""
+        finished = []
+        for req, token_id, token_logprobs in zip(reqs, next_token_ids, logprobs):
+            if req.is_finished:
+                continue
+            if req.error is not None:
+                self._finish(req, FinishReason.ERROR, req.error)
+                finished.append(req)
+                continue
+            req.num_computed_tokens = req.num_tokens
+            req.output_token_ids.append(token_id)
+            if token_logprobs is not None:
+                req.output_logprobs.append(token_logprobs)
+            reason = self.stop_checker.check(req)
+            if reason is not None:
+                self._finish(req, reason)
+                finished.append(req)
+        return finished
+
+    def fail_requests(self, reqs: list[Request], error: BaseException) -> list[Request]:
+        for req in reqs:
+            if not req.is_finished:
+                self._finish(req, FinishReason.ERROR, req.error or error)
+        return reqs
+
+    def abort_all(self, error: BaseException) -> list[Request]:
+        return self.fail_requests(list(self.running) + list(self.waiting), error)
+
+    def _finish(self, req: Request, reason: FinishReason, error: BaseException | None = None) -> None:
+        self._release_kv(req)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        if error is not None:
+            req.error = error
+
+
