@@ -34,6 +34,7 @@ class Scheduler:
         self.stop_checker = stop_checker
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
         self.just_failed: list[Request] = []  # finished by the scheduler itself; the engine drains this
 
     @property
@@ -107,6 +108,7 @@ class Scheduler:
         self.running.remove(req)
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _hold_kv(self, req: Request, num_tokens: int) -> bool:
