@@ -70,7 +70,7 @@ class EngineCore:
         if not finished:
             return
         for req in finished:
-            if not req.text and req.error is None:
+            if req.text is None:
                 req.text = self.stop_checker.detokenize(req)
         try:
             self.runner.finish_requests(finished)

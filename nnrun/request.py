@@ -52,7 +52,7 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     generator: torch.Generator | None = None
-    text: str = ""
+    text: str | None = None  # final text once finished (trimmed at a stop string)
 
     @property
     def all_token_ids(self) -> list[int]:

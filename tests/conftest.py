@@ -1,0 +1,34 @@
+import os
+import sys
+from pathlib import Path
+
+# Nothing may come from a model hub in tests: fail fast instead of waiting on the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def tiny_llm():
+    """An LLM over a random Llama with a real (GPT-2 style byte-level) tokenizer built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    import torch
+
+    import nnrun
+
+    corpus = ["The cat sat on the mat.", "A dog ran in the park.", "Paris is in France."] * 20
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=tokenizer.eos_token_id)
+    llm = nnrun.LLM(LlamaForCausalLM(config).eval(), tokenizer=tokenizer)
+    yield llm, tokenizer
+    llm.shutdown()
