@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBackend, forward_context
+from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, forward_context
+from nnrun.attention.selection import create_attention_backend
 from nnrun.config import EngineConfig
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.loader import load_model, max_context_len
@@ -81,7 +82,9 @@ class ModelRunner:
         return int(free * self.config.cache.gpu_memory_utilization)
 
     def init_attention_backend(self) -> None:
-        self.attn_backend: AttentionBackend = TorchAttnBackend(self.kv_pool, self.device)
+        self.attn_backend: AttentionBackend = create_attention_backend(
+            self.config.device.attention_backend, self.kv_pool, self.device, self.layers
+        )
         logger.info("nnrun attention backend: %s", self.attn_backend.name)
 
     def init_cuda_graphs(self) -> None:

@@ -6,6 +6,7 @@ import copy
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM, Gemma3TextConfig, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM,
     Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, GPTNeoXConfig, GPTNeoXForCausalLM,
     LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
     Qwen3Config, Qwen3ForCausalLM,
@@ -33,6 +34,11 @@ def _configs() -> dict:
         "gemma2": (Gemma2ForCausalLM, Gemma2Config(**_COMMON, head_dim=16, sliding_window=16,
                                                    attn_logit_softcapping=0.5, final_logit_softcapping=3.0,
                                                    query_pre_attn_scalar=24)),
+        # sliding and full layers with different RoPE bases, q/k norms.
+        "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(**_COMMON, head_dim=16, sliding_window=16,
+                                                       layer_types=["sliding_attention", "full_attention"])),
+        "phi3": (Phi3ForCausalLM, Phi3Config(**_COMMON, sliding_window=24, pad_token_id=0)),
+        "olmo2": (Olmo2ForCausalLM, Olmo2Config(**_COMMON)),
     }
 
 
