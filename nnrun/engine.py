@@ -91,7 +91,7 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         requests = [self.make_request(p, sp, index=i) for i, (p, sp) in enumerate(zip(prompt_list, params_list))]
-        handles = [self._enqueue(req, stream=False) for req in requests]
+        handles = self.submit_requests(requests)
         if use_tqdm:
             from tqdm import tqdm
 
@@ -108,7 +108,19 @@ class LLM:
         """Queue one request (thread-safe) and return its handle."""
         req = self.make_request(prompt, sampling_params or SamplingParams(), request_id=request_id,
                                 extra_args=extra_args, preemptible=preemptible)
-        return self._enqueue(req, stream)
+        return self.submit_requests([req], stream=stream)[0]
+
+    def submit_requests(self, requests: list[Request], *, gang: bool = False,
+                        stream: bool = False) -> list[RequestHandle]:
+        """Queue requests made by `make_request` atomically (thread-safe).
+
+        With `gang=True` the scheduler admits them in the same step, all or none (as long as they
+        fit `max_num_seqs`), which interventions that share values across requests rely on.
+        """
+        if gang and len(requests) > 1:
+            for req in requests:
+                req.gang_id = requests[0].request_id
+        return self._enqueue(requests, stream)
 
     def shutdown(self) -> None:
         with self._wakeup:
@@ -182,21 +194,24 @@ class LLM:
         return params
 
     # ---- the engine thread ----------------------------------------------------------------
-    def _enqueue(self, req: Request, stream: bool) -> RequestHandle:
-        handle = RequestHandle(req, stream)
+    def _enqueue(self, requests: list[Request], stream: bool) -> list[RequestHandle]:
+        handles = [RequestHandle(req, stream) for req in requests]
         with self._wakeup:
             if self._stopping:
                 raise RuntimeError("the engine has been shut down")
-            if req.request_id in self._handles:
-                raise ValueError(f"request_id {req.request_id!r} is already in use")
-            req.arrival_order = next(self._arrivals)
-            self._handles[req.request_id] = handle
-            self._inbox.append(req)
+            ids = [req.request_id for req in requests]
+            taken = [i for i in ids if i in self._handles]
+            if taken or len(set(ids)) != len(ids):
+                raise ValueError(f"request_id {(taken or ids)[0]!r} is already in use")
+            for req, handle in zip(requests, handles):
+                req.arrival_order = next(self._arrivals)
+                self._handles[req.request_id] = handle
+            self._inbox.extend(requests)
             self._wakeup.notify()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="nnrun-engine", daemon=True)
                 self._thread.start()
-        return handle
+        return handles
 
     def _loop(self) -> None:
         while True:

@@ -114,9 +114,9 @@ class KVPool:
         return self.v_pages[layer_idx].view(-1, *self.v_pages[layer_idx].shape[2:])  # [slots, Hkv, Dv]
 
     def write(self, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k: [N, Hkv, D], v: [N, Hkv, Dv], slots: [N]."""
-        self.k_flat(layer_idx).index_copy_(0, slots, k.to(self.k_pages[layer_idx].dtype))
-        self.v_flat(layer_idx).index_copy_(0, slots, v.to(self.v_pages[layer_idx].dtype))
+        """k: [N, Hkv, D], v: [N, Hkv, Dv], slots: [N]. The cache keeps values, never autograd history."""
+        self.k_flat(layer_idx).index_copy_(0, slots, k.detach().to(self.k_pages[layer_idx].dtype))
+        self.v_flat(layer_idx).index_copy_(0, slots, v.detach().to(self.v_pages[layer_idx].dtype))
 
     @staticmethod
     def bytes_per_token(layer_shapes: list[LayerKVShape], dtype: torch.dtype) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, forward_context
+from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBackend, forward_context
 from nnrun.attention.selection import create_attention_backend
 from nnrun.config import EngineConfig
 from nnrun.forward_batch import ForwardBatch, ForwardMode
@@ -87,8 +87,24 @@ class ModelRunner:
         )
         logger.info("nnrun attention backend: %s", self.attn_backend.name)
 
+    def torch_attention_backend(self) -> AttentionBackend:
+        """The pure-torch backend over the same KV pool (autograd-friendly), created on first use."""
+        if isinstance(self.attn_backend, TorchAttnBackend):
+            return self.attn_backend
+        if getattr(self, "_torch_backend", None) is None:
+            self._torch_backend = TorchAttnBackend(self.kv_pool, self.device)
+        return self._torch_backend
+
     def init_cuda_graphs(self) -> None:
         """Decode CUDA graphs are a CUDA-only optimisation; every step runs eagerly elsewhere."""
+
+    def can_use_cuda_graph(self, forward_batch: ForwardBatch) -> bool:
+        """Whether this step may replay a captured graph; subclasses with hooks in the step say no."""
+        return forward_batch.forward_mode is ForwardMode.DECODE
+
+    def attention_backend_for(self, forward_batch: ForwardBatch) -> AttentionBackend:
+        """The backend that serves this step; subclasses may pick the torch one (e.g. for autograd)."""
+        return self.attn_backend
 
     def shutdown(self) -> None:
         self.kv_pool = None
@@ -164,8 +180,9 @@ class ModelRunner:
         return self.process_logits(logits, forward_batch)
 
     def run_model(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        self.attn_backend.init_forward_metadata(forward_batch)
-        with forward_context(self.attn_backend), self.grad_context(forward_batch):
+        backend = self.attention_backend_for(forward_batch)
+        backend.init_forward_metadata(forward_batch)
+        with forward_context(backend), self.grad_context(forward_batch):
             output = self.model(
                 input_ids=forward_batch.input_ids.to(self.device)[None],
                 position_ids=forward_batch.positions.to(self.device)[None],

@@ -34,6 +34,7 @@ class Request:
     prompt: str | None = None
     extra_args: dict[str, Any] = field(default_factory=dict)  # opaque to the engine (the nnsight bridge uses it)
     is_preemptible: bool = True
+    gang_id: str | None = None  # requests of one gang are admitted in the same step (a trace's invokes)
     arrival_order: int = 0
 
     output_token_ids: list[int] = field(default_factory=list)

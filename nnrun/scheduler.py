@@ -48,28 +48,7 @@ class Scheduler:
     # ---- choosing a step ------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
         scheduled = self._schedule_running()
-        num_prefill_tokens = 0
-        budget = self.config.max_num_batched_tokens - len(scheduled)
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            num_new = req.num_tokens - req.num_computed_tokens
-            # A prompt longer than the whole budget runs in a step of its own prefills.
-            if num_prefill_tokens + num_new > budget and num_prefill_tokens > 0:
-                break
-            if not self._hold_kv(req, req.num_tokens):
-                if not self.running and not scheduled:
-                    self.waiting.popleft()
-                    self._finish(req, FinishReason.ERROR, RuntimeError(
-                        f"request {req.request_id} needs {req.num_tokens} KV slots but the whole pool has "
-                        f"{self.allocator.num_free_tokens} free"))
-                    self.just_failed.append(req)
-                    continue
-                break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled.append(req)
-            num_prefill_tokens += num_new
+        self._admit_waiting(scheduled, self.config.max_num_batched_tokens - len(scheduled))
         if not scheduled:
             if self.running:  # only unpreemptible requests hold the pool and none can grow: fail the newest
                 stuck = max(self.running, key=lambda r: r.arrival_order)
@@ -81,6 +60,64 @@ class Scheduler:
             return None
         is_decode = all(r.num_computed_tokens == r.num_tokens - 1 and r.num_computed_tokens > 0 for r in scheduled)
         return ScheduledBatch(scheduled, ForwardMode.DECODE if is_decode else ForwardMode.EXTEND)
+
+    def _admit_waiting(self, scheduled: list[Request], budget: int) -> None:
+        """Admit waiting requests in order; a gang (requests submitted together) enters whole or not at all."""
+        num_prefill_tokens = 0
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            unit = self._next_unit()
+            if not unit:
+                return
+            num_new = sum(r.num_tokens - r.num_computed_tokens for r in unit)
+            # A unit longer than the whole budget runs in a step of its own prefills.
+            if num_prefill_tokens + num_new > budget and num_prefill_tokens > 0:
+                return
+            if not self._hold_kv_all(unit):
+                if len(unit) > 1 and not self.running and not scheduled:
+                    unit = unit[:1]  # the pool cannot hold the whole gang at once: admit it piecewise
+                    if self._hold_kv_all(unit):
+                        self._start(unit, scheduled)
+                        num_prefill_tokens += unit[0].num_tokens
+                        continue
+                if not self.running and not scheduled:
+                    req = self.waiting.popleft()
+                    self._finish(req, FinishReason.ERROR, RuntimeError(
+                        f"request {req.request_id} needs {req.num_tokens} KV slots but the whole pool has "
+                        f"{self.allocator.num_free_tokens} free"))
+                    self.just_failed.append(req)
+                    continue
+                return
+            self._start(unit, scheduled)
+            num_prefill_tokens += num_new
+
+    def _next_unit(self) -> list[Request]:
+        head = self.waiting[0]
+        if head.gang_id is None:
+            return [head]
+        gang = [r for r in self.waiting if r.gang_id == head.gang_id]
+        room = self.config.max_num_seqs - len(self.running)
+        if len(gang) <= room:
+            return gang
+        if len(gang) > self.config.max_num_seqs:
+            return gang[:room]  # it can never run whole: admit it piecewise
+        return []  # wait until enough running requests finish
+
+    def _hold_kv_all(self, unit: list[Request]) -> bool:
+        held = []
+        for req in unit:
+            if not self._hold_kv(req, req.num_tokens):
+                for done in held:
+                    self._release_kv(done)
+                return False
+            held.append(req)
+        return True
+
+    def _start(self, unit: list[Request], scheduled: list[Request]) -> None:
+        for req in unit:
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(req)
 
     def _schedule_running(self) -> list[Request]:
         """Running requests, oldest first, each given KV for its next token, preempting if needed."""

@@ -14,8 +14,13 @@ logger = logging.getLogger(__name__)
 
 
 def create_attention_backend(name: str, kv_pool: KVPool, device: torch.device, layers: list) -> AttentionBackend:
-    """`name` is "auto", "torch" or "flashinfer"; "auto" takes FlashInfer on CUDA when it is installed."""
-    if name == "flashinfer" or (name == "auto" and device.type == "cuda" and _flashinfer_available()):
+    """`name` is "auto", "torch" or "flashinfer".
+
+    "auto" takes FlashInfer on CUDA when it is installed and the cache is fp16/bf16 (its kernels
+    exist only for those); everything else runs on the torch backend.
+    """
+    half = kv_pool.k_pages and kv_pool.k_pages[0].dtype in (torch.float16, torch.bfloat16)
+    if name == "flashinfer" or (name == "auto" and device.type == "cuda" and half and _flashinfer_available()):
         if device.type != "cuda":
             raise ValueError(f"DeviceConfig.attention_backend='flashinfer' needs a CUDA device, got {device}")
         if not _flashinfer_available():

@@ -1,0 +1,302 @@
+"""PackedBatcher: scope an intervention to its own requests inside one flat packed batch.
+
+nnsight's base Batcher gives each invoke a fixed row range of a dim-0 stack. nnrun runs the HF
+module tree on one flat batch `[1, N, ...]` that packs every scheduled request's new tokens, and
+the set of requests changes every step. So a mediator's group is a `PackedGroup`: for each of
+its member requests (one per prompt of its invoke, in invoke order) the runner writes, every
+step, where that request sits in the three layouts a step produces:
+
+- TOKENS  `[1, N, ...]`: every module of the forward (a prefill span, or one decode token);
+- LOGITS  `[1, R, ...]`: the LM head and the model's output, which run on the `R` positions
+  whose logits the step keeps (a traced prompt keeps all of them, a generation step one);
+- ROWS    `[B, ...]`: per-request values after the forward (`model.logits`, `model.samples`).
+
+Which layout a value is in comes from its location (`layout_of`), never from its shape. Within a
+layout, a tensor whose leading dims are the packed ones (`[1, N]`, `[1, R]`, `[B]`) is sliced;
+anything else (a mask, a cache object, `logits_to_keep`) is not per-token and passes whole.
+
+A one-request group is served a view, so in-place edits land in the flat tensor, and the view is
+marked `_nnsight_batch` so `.grad` redirects to the tensor in the graph. A several-request group
+(a list invoke, an empty invoke) is served a gathered copy, left-padded as HF pads a batch
+(`[k, T_max, ...]`); `scatter_back` writes its real tokens back after the mediator moves on.
+Assignments (`widen`) never write into the flat tensor in place: the model continues from a new
+tensor, so values saved earlier keep what they were, exactly as nnsight on HF behaves.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nnsight.intervention.batching import Batcher
+from nnsight.intervention.source import NO_SKIP
+from nnsight.util import apply
+
+LOGITS_LOCATION = "model.logits"
+SAMPLES_LOCATION = "model.samples"
+ROOT_OUTPUT_LOCATION = "model.output"
+
+
+class Layout(enum.Enum):
+    TOKENS = "tokens"
+    LOGITS = "logits"
+    ROWS = "rows"
+
+
+@dataclass
+class PackedGroup:
+    """Where one mediator's requests sit in this step, one entry per present member request."""
+
+    token_spans: list[tuple[int, int]] = field(default_factory=list)  # (start, num_tokens) in [1, N]
+    logit_spans: list[tuple[int, int]] = field(default_factory=list)  # (start, num_positions) in [1, R]
+    rows: list[int] = field(default_factory=list)  # row in [B, ...]
+
+    @property
+    def is_single(self) -> bool:
+        return len(self.rows) == 1
+
+
+class ShapeMismatchError(ValueError):
+    """An assignment whose tensor does not have the shape of the value it replaces."""
+
+
+@dataclass
+class _SkipParts:
+    """Skip replacements gathered across the mediators at one `.skip` gate."""
+
+    location: str
+    parts: list[tuple[PackedGroup, Any]] = field(default_factory=list)
+
+
+class PackedBatcher(Batcher):
+    """narrow/widen/skip over nnrun's packed step, by the spans the runner computed."""
+
+    def __init__(self, lm_head_path: str | None) -> None:
+        super().__init__(envoy=None)
+        self.lm_head_prefix = None if lm_head_path is None else lm_head_path + "."
+        self.num_tokens = 0  # N
+        self.num_logits = 0  # R
+        self.num_rows = 0  # B
+        self.location = ""  # the location being served now (set by the interleaver)
+        self.pending_skips: dict[str, _SkipParts] = {}  # output location -> replacements to splice in
+
+    def set_step(self, num_tokens: int, num_logits: int, num_rows: int) -> None:
+        self.num_tokens, self.num_logits, self.num_rows = num_tokens, num_logits, num_rows
+        self.pending_skips = {}
+
+    @property
+    def batching(self) -> bool:
+        return True  # other requests always share the step
+
+    # ---- layouts --------------------------------------------------------------------------
+    def layout_of(self, location: str) -> Layout:
+        if location in (LOGITS_LOCATION, SAMPLES_LOCATION):
+            return Layout.ROWS
+        if location == ROOT_OUTPUT_LOCATION or (self.lm_head_prefix and location.startswith(self.lm_head_prefix)):
+            return Layout.LOGITS
+        return Layout.TOKENS
+
+    def _spans(self, layout: Layout, group: PackedGroup) -> list[tuple[int, int]]:
+        return group.token_spans if layout is Layout.TOKENS else group.logit_spans
+
+    def _is_packed(self, tensor: torch.Tensor, layout: Layout) -> bool:
+        if layout is Layout.ROWS:
+            return tensor.dim() >= 1 and tensor.shape[0] == self.num_rows
+        size = self.num_tokens if layout is Layout.TOKENS else self.num_logits
+        return tensor.dim() >= 2 and tensor.shape[0] == 1 and tensor.shape[1] == size
+
+    # ---- reads ----------------------------------------------------------------------------
+    def narrow(self, value: Any, group: Any) -> Any:
+        if group is None:
+            return value
+        layout = self.layout_of(self.location)
+        return apply(value, lambda tensor: self._narrow_tensor(tensor, group, layout), torch.Tensor)
+
+    def _narrow_tensor(self, tensor: torch.Tensor, group: PackedGroup, layout: Layout) -> torch.Tensor:
+        if not self._is_packed(tensor, layout):
+            return tensor
+        if layout is Layout.ROWS:
+            if group.is_single:
+                view = tensor.narrow(0, group.rows[0], 1)
+                view._nnsight_batch = True
+                return view
+            return tensor[torch.tensor(group.rows, device=tensor.device)]  # [k, ...] a copy
+        spans = self._spans(layout, group)
+        if group.is_single:
+            start, length = spans[0]
+            view = tensor.narrow(1, start, length)
+            view._nnsight_batch = True
+            return view
+        return _gather_left_padded(tensor, spans)
+
+    def scatter_back(self, full: Any, group: PackedGroup, served: Any) -> None:
+        """Write a gathered copy's real tokens back into `full` (a several-request read)."""
+        if group is None or group.is_single:
+            return
+        layout = self.layout_of(self.location)
+        for full_tensor, served_tensor in _paired_tensors(full, served):
+            if self._is_packed(full_tensor, layout) and served_tensor is not full_tensor:
+                self._write(full_tensor, group, layout, served_tensor)
+
+    # ---- writes ---------------------------------------------------------------------------
+    def widen(self, full: Any, group: Any, edited: Any) -> Any:
+        if group is None:
+            return edited
+        layout = self.layout_of(self.location)
+        return self._merge(full, edited, lambda f, e: self._widen_tensor(f, group, e, layout))
+
+    def _merge(self, full: Any, edited: Any, fn) -> Any:
+        if isinstance(full, torch.Tensor):
+            return fn(full, edited)
+        if isinstance(full, (list, tuple)) and isinstance(edited, (list, tuple)) and len(full) == len(edited):
+            merged = [self._merge(f, e, fn) for f, e in zip(full, edited)]
+            if isinstance(full, tuple) and hasattr(full, "_fields"):
+                return type(full)(*merged)
+            return type(full)(merged)
+        if isinstance(full, dict) and isinstance(edited, dict):
+            merged = full.copy()
+            for key in full:
+                if key in edited:
+                    merged[key] = self._merge(full[key], edited[key], fn)
+            return merged
+        return edited
+
+    def _widen_tensor(self, full: torch.Tensor, group: PackedGroup, edited: Any, layout: Layout) -> Any:
+        if not self._is_packed(full, layout):
+            return edited  # served whole, so the edit is the whole value
+        expected = self._served_shape(full, group, layout)
+        if not isinstance(edited, torch.Tensor):
+            edited = torch.as_tensor(edited, dtype=full.dtype, device=full.device).expand(expected)
+        if tuple(edited.shape) != expected:
+            raise ShapeMismatchError(
+                f"{_module_of(self.location)}: cannot assign a value of shape {tuple(edited.shape)} where the "
+                f"model has shape {expected}"
+            )
+        updated = full.clone()  # the model continues from a new tensor; reads saved before keep their values
+        self._write(updated, group, layout, edited)
+        return updated
+
+    def _served_lead(self, group: PackedGroup, layout: Layout) -> tuple[int, ...]:
+        """The leading dims a group is served: `(k,)` rows, or `(k, T_max)` positions."""
+        if layout is Layout.ROWS:
+            return (len(group.rows),)
+        return (len(group.rows), max(length for _, length in self._spans(layout, group)))
+
+    def _served_shape(self, full: torch.Tensor, group: PackedGroup, layout: Layout) -> tuple[int, ...]:
+        lead = self._served_lead(group, layout)
+        return (*lead, *full.shape[1 if layout is Layout.ROWS else 2 :])
+
+    def _write(self, full: torch.Tensor, group: PackedGroup, layout: Layout, edited: torch.Tensor) -> None:
+        edited = edited.to(dtype=full.dtype, device=full.device)
+        if layout is Layout.ROWS:
+            for i, row in enumerate(group.rows):
+                full[row].copy_(edited[i])
+            return
+        max_len = edited.shape[1]
+        for i, (start, length) in enumerate(self._spans(layout, group)):
+            target = full[0, start : start + length]
+            source = edited[i, max_len - length :]
+            if not _same_memory(target, source):
+                target.copy_(source)
+
+    # ---- skip -----------------------------------------------------------------------------
+    def gather_skip(self, running: Any, group: Any, replacement: Any) -> Any:
+        """Collect one mediator's replacement for a module it skips (checked against its span)."""
+        layout = self.layout_of(self.location)
+        expected = self._served_lead(group, layout)
+        first = next(iter(_tensors(replacement)), None)  # the module's main output (hidden states)
+        if first is not None and tuple(first.shape[: len(expected)]) != expected:
+            raise ShapeMismatchError(
+                f"{_module_of(self.location)}: a skip replacement of shape {tuple(first.shape)} does not "
+                f"cover this request's tokens {expected}"
+            )
+        if not isinstance(running, _SkipParts):
+            running = _SkipParts(self.location)
+        running.parts.append((group, replacement))
+        return running
+
+    def assemble_skip(self, running: Any) -> Any:
+        """The module's whole output if the skips cover every token; else run it and splice them in."""
+        if not isinstance(running, _SkipParts):
+            return running
+        layout = self.layout_of(running.location)
+        size = self.num_tokens if layout is Layout.TOKENS else self.num_logits
+        covered = sum(length for group, _ in running.parts for _, length in self._spans(layout, group))
+        if covered == size:
+            return self._concat_skips(running.parts, layout)
+        output_location = running.location[: -len(".skip")] + ".output"
+        self.pending_skips[output_location] = running
+        return NO_SKIP
+
+    def _concat_skips(self, parts: list, layout: Layout) -> Any:
+        pieces = []  # (start, [1, length, ...] structure)
+        for group, replacement in parts:
+            spans = self._spans(layout, group)
+            max_len = max(length for _, length in spans)
+            for i, (start, length) in enumerate(spans):
+                pieces.append((start, apply(replacement, lambda t: t[i : i + 1, max_len - length :]
+                                            if t.dim() >= 2 else t, torch.Tensor)))
+        pieces.sort(key=lambda piece: piece[0])
+        return _concat_dim1([piece for _, piece in pieces])
+
+    def splice_skips(self, location: str, value: Any) -> Any:
+        """At a module's output: put the replacements of the requests that skipped it in place."""
+        running = self.pending_skips.pop(location, None)
+        if running is None:
+            return value
+        saved, self.location = self.location, location
+        try:
+            for group, replacement in running.parts:
+                value = self.widen(value, group, replacement)
+        finally:
+            self.location = saved
+        return value
+
+
+def _gather_left_padded(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    max_len = max(length for _, length in spans)
+    out = tensor.new_zeros((len(spans), max_len, *tensor.shape[2:]))  # [k, T_max, ...]
+    for i, (start, length) in enumerate(spans):
+        out[i, max_len - length :] = tensor[0, start : start + length]
+    return out
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.stride() == b.stride() and a.shape == b.shape
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    apply(value, found.append, torch.Tensor)
+    return found
+
+
+def _paired_tensors(full: Any, served: Any) -> list[tuple[torch.Tensor, Any]]:
+    if isinstance(full, torch.Tensor):
+        return [(full, served)] if isinstance(served, torch.Tensor) else []
+    if isinstance(full, (list, tuple)) and isinstance(served, (list, tuple)):
+        return [pair for f, s in zip(full, served) for pair in _paired_tensors(f, s)]
+    if isinstance(full, dict) and isinstance(served, dict):
+        return [pair for key in full if key in served for pair in _paired_tensors(full[key], served[key])]
+    return []
+
+
+def _concat_dim1(structures: list) -> Any:
+    first = structures[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(structures, dim=1) if first.dim() >= 2 else first
+    if isinstance(first, (list, tuple)):
+        return type(first)(_concat_dim1([s[i] for s in structures]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {key: _concat_dim1([s[key] for s in structures]) for key in first}
+    return first
+
+
+def _module_of(location: str) -> str:
+    for suffix in (".output", ".input", ".skip"):
+        if location.endswith(suffix):
+            return location[: -len(suffix)]
+    return location

@@ -1,0 +1,102 @@
+"""The nnsight pieces nnrun specializes: a mediator and an interleaver that know the location.
+
+nnsight's `Batcher.narrow/widen` receive a value and a group but not the location it came from,
+and the base mediator never sees a read value again once it switched it into the worker. nnrun
+needs both: the layout of a value (tokens, logit positions, request rows) is a property of its
+location, and a several-request read is a gathered copy whose in-place edits must be written back.
+So `PackedInterleaver.handle` records the location on the batcher for the duration of the visit,
+and `PackedMediator.handle` scatters a gathered read back once the worker moves on, and throws a
+wrong-shaped assignment into the worker, where the traceback names the user's line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from greenlet import getcurrent
+
+from nnsight.intervention.eproperty import eproperty
+from nnsight.intervention.interleaver import Event, Interleaver, Mediator
+
+from interleaver.batcher import PackedBatcher, ShapeMismatchError
+
+
+class ServedValues:
+    """Values an engine step produces outside any module, served like a module's output."""
+
+    @eproperty(description="next-token logits of this request, this step")
+    def logits(self, value: Any) -> Any:
+        """`[1, V]` (a list invoke: `[k, V]`) logits the step samples from; assign to change them."""
+        return value
+
+    @eproperty(description="token ids sampled this step")
+    def samples(self, value: Any) -> Any:
+        """`[1]` (a list invoke: `[k]`) token ids sampled this step; assign to force tokens."""
+        return value
+
+
+class PackedMediator(Mediator):
+    """A mediator whose reads may be gathered copies and whose writes are shape-checked."""
+
+    def handle(self, provider: str, value: Any) -> Any:
+        """Serve this worker's events parked on this visit (the protocol of `Mediator.handle`)."""
+        pending = self.pending
+        if pending is None or pending.provider != provider:
+            return value
+        occurrence = self.occurrence(provider)
+        batcher: PackedBatcher = self.interleaver.batcher
+        group = self.batch_group
+        while pending is not None and pending.provider == provider and pending.iteration == occurrence:
+            if self.iteration:  # the first hit of a pinned step relaxes the pin, as in nnsight
+                self.iteration = None
+            if pending.event is Event.VALUE:
+                served = batcher.narrow(value, group)
+                self.pending = self.switch(served)
+                batcher.scatter_back(value, group, served)
+            elif pending.event is Event.SWAP:
+                try:
+                    value = batcher.widen(value, group, pending.value)
+                except ShapeMismatchError as error:
+                    self.pending = self.throw(error)
+                else:
+                    self.pending = self.switch()
+            elif pending.event is Event.SKIP:
+                try:
+                    value = batcher.gather_skip(value, group, pending.value)
+                except ShapeMismatchError as error:
+                    self.pending = self.throw(error)
+                else:
+                    self.pending = self.switch()
+            else:
+                break
+            pending = self.pending
+        return value
+
+    def throw(self, error: BaseException) -> Any:
+        """Raise `error` inside the worker at the line it is parked on; return its next park."""
+        self.worker.parent = getcurrent()
+        try:
+            return self.worker.throw(error)
+        except BaseException as raised:
+            if not hasattr(raised, "__intervention_tb__"):
+                raised.__intervention_tb__ = raised.__traceback__
+            raise
+
+
+class PackedInterleaver(Interleaver):
+    """An interleaver that tells its batcher which location each visit is."""
+
+    def __init__(self, batcher: PackedBatcher) -> None:
+        super().__init__()
+        self.batcher = batcher
+        self.defer_exceptions = True  # one request's error ends that request, not the step
+
+    def handle(self, provider: str, value: Any) -> Any:
+        batcher = self.batcher
+        previous, batcher.location = batcher.location, provider
+        try:
+            if batcher.pending_skips:
+                value = batcher.splice_skips(provider, value)
+            return super().handle(provider, value)
+        finally:
+            batcher.location = previous

@@ -1,0 +1,349 @@
+"""NNsightRequestHelper: the runner's book of which mediator serves which engine requests.
+
+A trace becomes a `TraceJob`. Each invoke of it is an `Invocation`: one mediator (the invoke's
+body) over the engine requests of its prompts, in invoke order; an empty invoke spans every
+request of the trace. The client builds the job, submits one engine request per prompt with the
+job in `extra_args["nnsight"]`, and waits on `job.done`. On the engine thread the helper:
+
+1. `process_new_reqs`: learns a request's job the first time a step carries it;
+2. `process_batch_groups`: every step, gives each invocation with a request in the step a
+   `PackedGroup` (its requests' token spans, logit spans and rows, in the runner's batch order)
+   and returns the invocations in serving order (trace submission order, then invoke order);
+3. `start`: starts an invocation's mediator the first step one of its requests is scheduled;
+4. `end_step`: ends the requests of any invocation whose block raised (or called `stop()`);
+5. `process_finished_reqs` / `finish`: once every request of an invocation is finished, serves
+   `tracer.result`, unwinds a worker still parked, and records the block's saved values;
+   the last invocation of a job sets `job.done`.
+
+Mediators are greenlets: everything here runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from greenlet import error as GreenletError
+
+from nnsight.intervention.interleaver import EarlyStopException, dangling_unwind
+from nnsight.tracing.tracer import _local, _saves, inc
+
+from interleaver.batcher import PackedGroup
+from interleaver.mediator import PackedInterleaver, PackedMediator
+from nnrun.forward_batch import ForwardBatch
+from nnrun.request import Request
+
+RESULT_LOCATION = "result"
+
+
+@dataclass(eq=False)
+class Invocation:
+    """One invoke: its mediator and the engine requests it spans, in invoke order."""
+
+    mediator: PackedMediator
+    request_ids: list[str]
+    index: int  # invoke order within the trace
+    job: "TraceJob" = None
+    saves: dict[str, Any] = field(default_factory=dict)
+    error: BaseException | None = None
+    warning: str | None = None
+    is_started: bool = False
+    is_finished: bool = False
+    counts_when_out: dict[str, int] | None = None  # interleaver counts when it last sat a step out
+
+
+@dataclass(eq=False)
+class TraceJob:
+    """Everything one trace hands the engine, and everything the client waits for."""
+
+    kind: str  # "trace" (one forward) or "generate"
+    invocations: list[Invocation]
+    needs_grad: bool = False
+    pad_token_id: int = 0
+    seq: int = 0  # submission order across traces
+    requests: dict[str, Request] = field(default_factory=dict)  # filled by the client at submit
+    client_saves: list[Any] = field(default_factory=list)  # values the trace body saved (its invokes fill them)
+    done: threading.Event = field(default_factory=threading.Event)
+    results: dict[str, Any] = field(default_factory=dict)  # request id -> its trace-mode model output
+
+    def __post_init__(self) -> None:
+        for invocation in self.invocations:
+            invocation.job = self
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first real error of the trace's blocks or requests (a `stop()` is not one)."""
+        for invocation in self.invocations:
+            if invocation.error is not None:
+                return invocation.error
+        for request in self.requests.values():
+            if request.error is not None and not isinstance(request.error, EarlyStopException):
+                return request.error
+        return None
+
+
+class NNsightRequestHelper:
+    """Request id -> invocations, batch groups per step, and finishing (engine thread only)."""
+
+    def __init__(self, interleaver: PackedInterleaver) -> None:
+        self.interleaver = interleaver
+        self.request_to_invocations: dict[str, list[Invocation]] = {}
+        self.live: list[Invocation] = []  # known and not yet finished
+        self.step_invocations: list[Invocation] = []
+
+    @property
+    def has_requests(self) -> bool:
+        return bool(self.request_to_invocations)
+
+    def needs_grad(self, forward_batch: ForwardBatch) -> bool:
+        """Whether a trace with a request in this step reads `.grad` or calls `.backward()`."""
+        return any(inv.job.needs_grad for req in forward_batch.reqs
+                   for inv in self.request_to_invocations.get(req.request_id, ()))
+
+    def wants_all_logits(self, req: Request) -> bool:
+        """A traced prompt keeps the logits of every position, as HF's forward does."""
+        job = req.extra_args.get("nnsight")
+        return job is not None and job.kind == "trace" and req.num_computed_tokens == 0
+
+    # ---- 1. new requests ------------------------------------------------------------------
+    def process_new_reqs(self, reqs: list[Request]) -> None:
+        for req in reqs:
+            job: TraceJob | None = req.extra_args.get("nnsight")
+            if job is None or req.request_id in self.request_to_invocations:
+                continue
+            invocations = [inv for inv in job.invocations if req.request_id in inv.request_ids]
+            self.request_to_invocations[req.request_id] = invocations
+            for invocation in invocations:
+                if invocation not in self.live:
+                    self.live.append(invocation)
+
+    # ---- 2. per-step groups ---------------------------------------------------------------
+    def process_batch_groups(self, forward_batch: ForwardBatch, logit_spans: list[tuple[int, int]]) -> list[Invocation]:
+        """Point each invocation at its requests' places in this step; return them in serving order."""
+        place: dict[str, tuple[tuple[int, int], tuple[int, int], int]] = {}
+        for row, req in enumerate(forward_batch.reqs):
+            token_span = (forward_batch.extend_start_loc[row], forward_batch.extend_seq_lens[row])
+            place[req.request_id] = (token_span, logit_spans[row], row)
+        scheduled = []
+        for invocation in self.live:
+            present = [place[rid] for rid in invocation.request_ids if rid in place]
+            if not present:
+                invocation.mediator.batch_group = None
+                continue
+            group = PackedGroup([p[0] for p in present], [p[1] for p in present], [p[2] for p in present])
+            invocation.mediator.batch_group = group
+            scheduled.append(invocation)
+        scheduled.sort(key=lambda inv: (inv.job.seq, inv.index))
+        self.step_invocations = scheduled
+        return scheduled
+
+    # ---- 3. starting ----------------------------------------------------------------------
+    def start(self, invocations: list[Invocation]) -> None:
+        """Start invocations scheduled for the first time; shift those that sat steps out."""
+        interleaver = self.interleaver
+        if not getattr(_local, "depth", 0):
+            inc()  # `.save()` inside a worker needs an open trace depth on this (the engine) thread
+        running = set(map(id, invocations))
+        for invocation in self.live:
+            if invocation.is_started and id(invocation) not in running and invocation.mediator.alive:
+                if invocation.counts_when_out is None:
+                    invocation.counts_when_out = dict(interleaver.counts)
+        for invocation in invocations:
+            mediator = invocation.mediator
+            if invocation.counts_when_out is not None:  # its own occurrences skip the steps it sat out
+                for location, count in interleaver.counts.items():
+                    skipped = count - invocation.counts_when_out.get(location, 0)
+                    mediator.counts_at_start[location] = mediator.counts_at_start.get(location, 0) + skipped
+                invocation.counts_when_out = None
+            if invocation.is_started:
+                continue
+            invocation.is_started = True
+            try:
+                mediator.start(interleaver)
+            except Exception as error:  # the block raised before its first park
+                mediator.exception = error
+        interleaver.mediators = [inv.mediator for inv in invocations if _is_serving(inv.mediator)]
+        interleaver.reindex()
+
+    def keep_running(self) -> bool:
+        """Narrow the interleaver to workers still parked; True if any is."""
+        interleaver = self.interleaver
+        interleaver.mediators = [inv.mediator for inv in self.step_invocations if _is_serving(inv.mediator)]
+        interleaver.reindex()
+        return bool(interleaver.mediators)
+
+    # ---- 4. requests whose block raised or stopped ------------------------------------------
+    def end_step(self, forward_batch: ForwardBatch) -> None:
+        """Copy saved values out of the step's tensors, fail requests whose block raised or stopped."""
+        in_step = {req.request_id: req for req in forward_batch.reqs}
+        _unpin_saves(self.step_invocations)
+        for invocation in self.step_invocations:
+            error = invocation.mediator.exception
+            if error is None:
+                continue
+            for request_id in invocation.request_ids:
+                req = in_step.get(request_id)
+                if req is not None:
+                    req.fail(error)
+        self.step_invocations = []
+        self.interleaver.mediators = []
+
+    # ---- 5. finishing ---------------------------------------------------------------------
+    def process_finished_reqs(self, reqs: list[Request]) -> list[Invocation]:
+        """Note finished requests; return the invocations none of whose requests is still running."""
+        self.process_new_reqs(reqs)  # a request can finish (fail) before any step carried it
+        finished_ids = {req.request_id for req in reqs}
+        ready = []
+        for req in reqs:
+            for invocation in self.request_to_invocations.pop(req.request_id, ()):
+                if invocation.is_finished or invocation in ready:
+                    continue
+                job = invocation.job
+                if all(job.requests[rid].is_finished or rid in finished_ids for rid in invocation.request_ids):
+                    ready.append(invocation)
+        return ready
+
+    def finish(self, invocations: list[Invocation]) -> None:
+        """Serve `result`, unwind, record saves; set `done` on jobs whose invocations all finished."""
+        for invocation in invocations:
+            self._finish_one(invocation)
+            self.live.remove(invocation)
+        if invocations:  # a step that failed before sampling leaves its workers here
+            self.step_invocations = [inv for inv in self.step_invocations if not inv.is_finished]
+            self.interleaver.mediators = [inv.mediator for inv in self.step_invocations]
+        for job in {id(inv.job): inv.job for inv in invocations}.values():
+            if all(inv.is_finished for inv in job.invocations):
+                job.results.clear()  # the step's logits, kept only to serve `tracer.result`
+                job.done.set()
+        if not self.request_to_invocations and not self.live:
+            _saves().clear()  # nothing in flight: no saved id can still matter
+
+    def _finish_one(self, invocation: Invocation) -> None:
+        mediator = invocation.mediator
+        invocation.is_finished = True
+        if mediator.alive and mediator.pending is not None and mediator.pending.provider == RESULT_LOCATION:
+            mediator.batch_group = None
+            try:
+                mediator.handle(RESULT_LOCATION, self._result_of(invocation))
+            except Exception as error:
+                mediator.exception = error
+        if mediator.alive and mediator.pending is not None:
+            self._unwind(invocation)
+        _unpin_saves([invocation])
+        error = mediator.exception
+        if error is not None and not isinstance(error, EarlyStopException) and invocation.error is None:
+            invocation.error = error
+        saved = _saves()  # only names the block bound: its scope also holds the caller's snapshot
+        invocation.saves = {name: value for name, value in mediator.lcls.writes().items() if id(value) in saved}
+        for value in invocation.saves.values():
+            saved.discard(id(value))
+        mediator.worker = None  # frees the greenlet and its frames
+        mediator.interleaver = None
+        mediator.batch_group = None
+
+    def _unwind(self, invocation: Invocation) -> None:
+        mediator = invocation.mediator
+        error, expected = dangling_unwind(mediator)
+        try:
+            mediator.worker.throw(error)
+        except GreenletError:
+            return
+        except BaseException as thrown:
+            if expected is not None and thrown is error:
+                invocation.warning = expected
+            elif mediator.exception is None:
+                mediator.exception = thrown
+            return
+        mediator.pending = None
+
+    def _result_of(self, invocation: Invocation) -> Any:
+        """What `tracer.result` is: the model output of a trace, the token ids of a generation."""
+        job = invocation.job
+        if job.kind == "trace":
+            outputs = [job.results.get(rid) for rid in invocation.request_ids]
+            return _stack_outputs(outputs)
+        sequences = [job.requests[rid].all_token_ids for rid in invocation.request_ids]
+        return pad_sequences(sequences, [len(job.requests[rid].prompt_token_ids) for rid in invocation.request_ids],
+                              job.pad_token_id)
+
+
+def _is_serving(mediator: PackedMediator) -> bool:
+    """A block still parked, or one whose `tracer.cache()` observes the rest of its run."""
+    return mediator.alive or bool(mediator.caches)
+
+
+def _unpin_saves(invocations: list[Invocation]) -> None:
+    """Replace the blocks' saved views (and those inside their traces' saved containers) by copies."""
+    saved, memo = _saves(), {}
+    replaced: dict[int, Any] = {}  # id of a saved view -> the copy saved in its place
+    for invocation in invocations:
+        scope = invocation.mediator.lcls
+        for name in list(scope.written):
+            value = scope.get(name)
+            if id(value) not in saved:
+                continue
+            copy = _unpin(value, memo)
+            if copy is not value:
+                scope[name] = copy
+                replaced[id(value)] = copy
+        for value in invocation.job.client_saves:
+            _unpin(value, memo)
+    for view_id, copy in replaced.items():
+        saved.discard(view_id)
+        saved.add(id(copy))
+
+
+def _unpin(value: Any, memo: dict[int, Any]) -> Any:
+    """`value` with tensor views replaced by copies (lists and dicts edited in place).
+
+    A read is a view of the step's flat tensor, which holds every request's tokens: kept as is,
+    a saved value would pin the whole step's activations and expose other requests' through
+    `._base`. Called at the end of each step, when no block can still edit the view in place.
+    """
+    key = id(value)
+    if key in memo:
+        return memo[key]
+    memo[key] = value
+    if isinstance(value, torch.Tensor):
+        result = value.clone() if value._base is not None else value
+    elif isinstance(value, list):
+        value[:] = [_unpin(item, memo) for item in value]
+        result = value
+    elif isinstance(value, dict):
+        for name in list(value):
+            value[name] = _unpin(value[name], memo)
+        result = value
+    elif isinstance(value, tuple):
+        items = [_unpin(item, memo) for item in value]
+        result = type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    else:
+        result = value
+    memo[key] = result
+    return result
+
+
+def _stack_outputs(outputs: list[Any]) -> Any:
+    """One request's model output as is; several stacked as HF stacks a left-padded batch."""
+    if len(outputs) == 1 or any(out is None for out in outputs):
+        return outputs[0]
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    logits = [out.logits for out in outputs]  # each [1, T_i, V]
+    max_len = max(t.shape[1] for t in logits)
+    padded = logits[0].new_zeros((len(logits), max_len, logits[0].shape[-1]))  # [k, T_max, V]
+    for i, t in enumerate(logits):
+        padded[i, max_len - t.shape[1] :] = t[0]
+    return CausalLMOutputWithPast(logits=padded)
+
+
+def pad_sequences(sequences: list[list[int]], prompt_lens: list[int], pad_token_id: int) -> torch.Tensor:
+    """Token ids as HF's `generate` returns them: prompts left-padded, completions right-padded."""
+    max_prompt = max(prompt_lens)
+    max_new = max(len(seq) - n for seq, n in zip(sequences, prompt_lens))
+    rows = []
+    for seq, n in zip(sequences, prompt_lens):
+        new = seq[n:]
+        rows.append([pad_token_id] * (max_prompt - n) + seq[:n] + new + [pad_token_id] * (max_new - len(new)))
+    return torch.tensor(rows, dtype=torch.int64)  # [k, T_max + new_max]

@@ -1,0 +1,173 @@
+"""NNsightGPUModelRunner: the engine's runner, with nnsight mediators served around each phase.
+
+The runner owns a second nnsight tree over the engine's HF module (`RunnerModel`), whose
+interleaver serves the mediators the clients' traces hand over. One step:
+
+1. `prepare_forward_batch_extend`: a traced prompt keeps the logits of all its positions;
+2. `forward`: the request helper gives each mediator its spans, starts new ones, and the packed
+   forward runs inside the interleaver (with autograd on if a trace in the step asks for it);
+3. `sample`: the interleaver serves `model.logits`, then the sampler runs, then it serves
+   `model.samples`; requests whose block raised or stopped are failed (the engine ends them);
+4. `finish_requests` -> `finish_nnsight`: finished requests' mediators are finalized and their
+   saves recorded; the client thread waiting on the trace picks them up.
+
+A step with no nnsight request takes the base runner's path: no handoff is armed.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from nnsight import NNsight
+
+from interleaver.batcher import PackedBatcher
+from interleaver.mediator import PackedInterleaver, ServedValues
+from interleaver.requests import NNsightRequestHelper
+from nnrun.attention import AttentionBackend
+from nnrun.forward_batch import ForwardBatch
+from nnrun.model_runner import LogitsProcessorOutput, ModelRunner
+from nnrun.request import Request
+from nnrun.sampler import SamplerOutput
+
+
+class RunnerModel(ServedValues, NNsight):
+    """The runner's nnsight tree: same module paths as the client's, its own interleaver."""
+
+
+class NNsightGPUModelRunner(ModelRunner):
+    """A ModelRunner that serves nnsight interventions riding on its requests."""
+
+    def load_model(self) -> None:
+        super().load_model()
+        batcher = PackedBatcher(_module_path(self.model, self.model.get_output_embeddings()))
+        self.interleaver = PackedInterleaver(batcher)
+        self.nnsight_model = RunnerModel(self.model, interleaver=self.interleaver)
+        self.nnsight_requests = NNsightRequestHelper(self.interleaver)
+
+    # ---- 1. layout ------------------------------------------------------------------------
+    def prepare_forward_batch_extend(self, reqs: list[Request]) -> ForwardBatch:
+        forward_batch = super().prepare_forward_batch_extend(reqs)
+        wants = [self.nnsight_requests.wants_all_logits(req) for req in reqs]
+        if any(wants):
+            _keep_all_logits(forward_batch, wants)
+        return forward_batch
+
+    # ---- 2. forward -----------------------------------------------------------------------
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        helper = self.nnsight_requests
+        helper.process_new_reqs(forward_batch.reqs)
+        invocations = []
+        if helper.has_requests:
+            invocations = helper.process_batch_groups(forward_batch, _logit_spans(forward_batch))
+        if not invocations:
+            helper.step_invocations = []
+            return super().forward(forward_batch)
+        self.interleaver.batcher.set_step(forward_batch.num_tokens, int(forward_batch.logits_indices.numel()),
+                                          forward_batch.batch_size)
+        self.interleaver.mediators = []
+        with self.interleaver:
+            helper.start(invocations)
+            logits = self.run_model(forward_batch)  # [R, V]
+        self._keep_trace_outputs(forward_batch, logits)
+        return self.process_logits(logits, forward_batch)
+
+    def grad_context(self, forward_batch: ForwardBatch) -> AbstractContextManager:
+        """Autograd for a step whose trace asked for gradients (the KV pool stores detached values)."""
+        if self.nnsight_requests.needs_grad(forward_batch):
+            return torch.enable_grad()
+        return super().grad_context(forward_batch)
+
+    def attention_backend_for(self, forward_batch: ForwardBatch) -> AttentionBackend:
+        """Gradients need attention written in torch ops; fused kernels have no backward."""
+        if self.nnsight_requests.needs_grad(forward_batch):
+            return self.torch_attention_backend()
+        return super().attention_backend_for(forward_batch)
+
+    def can_use_cuda_graph(self, forward_batch: ForwardBatch) -> bool:
+        """A replayed graph would skip every intervention point: steps with traced requests run eagerly."""
+        return not self.nnsight_requests.step_invocations and super().can_use_cuda_graph(forward_batch)
+
+    def _keep_trace_outputs(self, forward_batch: ForwardBatch, logits: torch.Tensor) -> None:
+        """A traced prompt's `tracer.result`: its model output, as HF's forward returns it."""
+        for req, (start, length) in zip(forward_batch.reqs, _logit_spans(forward_batch)):
+            job = _job_of(req)
+            if job is not None and job.kind == "trace":
+                job.results[req.request_id] = CausalLMOutputWithPast(logits=logits[start : start + length][None])
+
+    # ---- 3. logits and samples ------------------------------------------------------------
+    def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> SamplerOutput:
+        helper = self.nnsight_requests
+        if not helper.step_invocations:
+            return super().sample(logits_output, forward_batch)
+        model = self.nnsight_model
+        if helper.keep_running():
+            with self.interleaver:
+                logits_output.next_token_logits = type(model).logits.provide(model, logits_output.next_token_logits)
+        sampler_output = super().sample(logits_output, forward_batch)
+        if helper.keep_running():
+            with self.interleaver:
+                sampler_output.token_ids = type(model).samples.provide(model, sampler_output.token_ids)
+        helper.end_step(forward_batch)
+        return sampler_output
+
+    # ---- 4. finishing ---------------------------------------------------------------------
+    def finish_requests(self, reqs: list[Request]) -> None:
+        super().finish_requests(reqs)
+        self.finish_nnsight(reqs)
+
+    def finish_nnsight(self, finished_requests: list[Request]) -> dict[str, dict[str, Any]]:
+        """Finalize the mediators whose requests all finished; return each finished request's saves."""
+        helper = self.nnsight_requests
+        invocations = helper.process_finished_reqs([r for r in finished_requests if _job_of(r) is not None])
+        helper.finish(invocations)
+        saves: dict[str, dict[str, Any]] = {}
+        for invocation in invocations:
+            for request_id in invocation.request_ids:
+                saves.setdefault(request_id, {}).update(invocation.saves)
+        return saves
+
+
+def _job_of(req: Request) -> Any:
+    return req.extra_args.get("nnsight")
+
+
+def _logit_spans(forward_batch: ForwardBatch) -> list[tuple[int, int]]:
+    """Each request's rows in the step's logits: the runner lays them out contiguously in batch order."""
+    spans, start = [], 0
+    for last in forward_batch.next_token_logits_rows:
+        spans.append((start, last - start + 1))
+        start = last + 1
+    return spans
+
+
+def _keep_all_logits(forward_batch: ForwardBatch, wants: list[bool]) -> None:
+    """Rebuild the logits layout so the requests in `wants` keep every position's logits."""
+    indices: list[int] = []
+    next_rows: list[int] = []
+    prompt_rows: list[tuple[int, int] | None] = []
+    for i, (start, length) in enumerate(_logit_spans(forward_batch)):
+        rows = forward_batch.logits_indices[start : start + length].tolist()
+        if wants[i]:
+            first = forward_batch.extend_start_loc[i]
+            rows = list(range(first, first + forward_batch.extend_seq_lens[i]))
+        had_prompt_rows = forward_batch.prompt_logits_rows and forward_batch.prompt_logits_rows[i] is not None
+        prompt_rows.append((len(indices), len(indices) + len(rows) - 1) if had_prompt_rows else None)
+        indices.extend(rows)
+        next_rows.append(len(indices) - 1)
+    forward_batch.logits_indices = torch.tensor(indices, dtype=torch.int64)  # [R]
+    forward_batch.next_token_logits_rows = next_rows
+    forward_batch.prompt_logits_rows = prompt_rows
+
+
+def _module_path(model: torch.nn.Module, module: torch.nn.Module | None) -> str | None:
+    """The nnsight path (`model.<HF name>`) of a submodule, or None."""
+    if module is None:
+        return None
+    for name, candidate in model.named_modules():
+        if candidate is module:
+            return f"model.{name}" if name else "model"
+    return None

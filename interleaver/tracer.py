@@ -1,0 +1,122 @@
+"""The client side of a trace: collect its invokes, hand them to the engine, bring the saves home.
+
+`NNrunTracer` keeps nnsight's capture, scoping and save rules (it is an `InterleavingTracer`) and
+replaces only what running means: instead of calling the model, `execute` turns each invoke into
+a mediator over one engine request per prompt, submits them, waits on the engine thread to run
+and finish them, then marks each returned save on this thread and pushes it into the caller's
+frame. Saves are pushed even when a block raised, so the other invokes keep theirs; the first
+real error is raised after that, with the user's line in its traceback.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import warnings
+from dataclasses import dataclass, field
+from types import CodeType
+from typing import TYPE_CHECKING, Any
+
+from nnsight.intervention.interleaver import Mediator
+from nnsight.intervention.tracer import InterleavingTracer, Invoker
+from nnsight.intervention.util import clear_shared_locals, shared_locals
+from nnsight.tracing.tracer import _saves, mark, push_result
+from nnsight.tracing.util import Scope, filter_traceback
+
+from interleaver.batcher import SAMPLES_LOCATION
+from interleaver.mediator import PackedMediator
+
+if TYPE_CHECKING:
+    from interleaver.requests import TraceJob
+
+_PACKAGE_DIR = os.path.dirname(__file__)
+
+
+@dataclass
+class PendingInvoke:
+    """An invoke collected from a trace body, before it becomes engine requests."""
+
+    mediator: PackedMediator
+    inputs: tuple
+    kwargs: dict = field(default_factory=dict)
+
+
+class NNrunInvoker(Invoker):
+    """`tracer.invoke(...)`: records its body as a mediator on the trace (not on the model)."""
+
+    def execute(self, code: CodeType) -> None:
+        frame = self.info.frame
+        mediator = PackedMediator(code, frame.f_globals, dict(frame.f_locals), node=self.node,
+                                  shared=shared_locals(frame))
+        self.tracer.pending_invokes.append(PendingInvoke(mediator, self.args, self.kwargs))
+
+
+class NNrunTracer(InterleavingTracer):
+    """`model.trace(...)` / `model.generate(...)` on nnrun: the invokes run as engine requests."""
+
+    def __init__(self, envoy: Any, fn: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(envoy, fn, *args, **kwargs)
+        self.pending_invokes: list[PendingInvoke] = []
+
+    def invoke(self, *args: Any, **kwargs: Any) -> NNrunInvoker:
+        return NNrunInvoker(self, *args, **kwargs)
+
+    def next(self, step: int = 1) -> None:
+        """Bind the block's following reads to the generation step `step` after the current one.
+
+        The step a block is running in is how many times `model.samples` has been served since it
+        started (samples close each step); the pin relaxes after its first hit, as `tracer.iter`'s.
+        """
+        mediator = Mediator.current("tracer.next()")
+        current = mediator.iteration if mediator.iteration else mediator.occurrence(SAMPLES_LOCATION)
+        mediator.iteration = current + step
+
+    def execute(self, code: CodeType) -> None:
+        frame = self.info.frame
+        job: TraceJob | None = None
+        client_saves: list[Any] = []
+        try:
+            if self.envoy._batch_size(*self.args):
+                mediator = PackedMediator(code, frame.f_globals, dict(frame.f_locals), node=self.node)
+                self.pending_invokes.append(PendingInvoke(mediator, self.args))
+            else:
+                body = Scope(dict(frame.f_locals), shared_locals(frame), frame.f_globals)
+                exec(code, body)
+                push_result(frame, body.writes())
+                if not self.pending_invokes:
+                    raise ValueError("trace() needs an input, or at least one `with tracer.invoke(...)` block")
+                client_saves = [value for value in body.writes().values() if id(value) in _saves()]
+            job = self.envoy._build_job(self.fn, self.pending_invokes, self.kwargs, _asks_for_grad(self.node))
+            job.client_saves = client_saves
+            self.envoy._run_job(job)
+        finally:
+            if job is not None:
+                _push_saves(frame, job)
+            self.pending_invokes = []
+            clear_shared_locals()
+        error = job.error
+        if error is not None:
+            raise error.with_traceback(_user_traceback(error))
+
+
+def _push_saves(frame: Any, job: "TraceJob") -> None:
+    for invocation in job.invocations:
+        for value in invocation.saves.values():
+            mark(value)  # saved on the engine thread; this thread's save set decides what is pushed
+        # The outermost trace pushes only what was saved; one inside a session pushes every name.
+        push_result(frame, invocation.mediator.lcls.writes())
+        if invocation.warning is not None:
+            warnings.warn(invocation.warning, stacklevel=4)
+
+
+def _user_traceback(error: BaseException) -> Any:
+    """The block's own traceback (where the worker raised), without this package's frames."""
+    traceback = getattr(error, "__intervention_tb__", None) or error.__traceback__
+    return filter_traceback(traceback, lambda frame: not frame.f_code.co_filename.startswith(_PACKAGE_DIR))
+
+
+def _asks_for_grad(node: ast.AST | None) -> bool:
+    """Whether a trace reads `.grad` or calls `.backward()`: its requests run with autograd on."""
+    if node is None:
+        return False
+    return any(isinstance(n, ast.Attribute) and n.attr in ("grad", "backward") for n in ast.walk(node))

@@ -1,0 +1,131 @@
+"""FlashInfer paged attention: planned once per step on the host, one kernel call per layer.
+
+flashinfer is imported inside the constructor, so importing this module never needs it; the CPU
+tests inject a torch emulator of the two wrappers under the name `flashinfer`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nnrun.attention.base import AttentionBackend
+from nnrun.attention.flashinfer_plan import (
+    PagedKVPlan, PlanGroup, group_layers, layer_to_group_index, plan_forward_batch,
+)
+from nnrun.forward_batch import ForwardBatch, ForwardMode
+from nnrun.memory import KVPool
+from nnrun.model_probe import AttentionLayerInfo
+
+DEFAULT_WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace, shared by every wrapper
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)  # what FlashInfer's attention kernels are built for
+MIN_GQA_GROUP_FOR_TENSOR_CORES = 4  # decode: tensor cores pay off for large GQA groups (sglang's rule)
+
+
+@dataclass
+class _StepMetadata:
+    out_cache_loc: torch.Tensor  # [N] int64 on the device
+    forward_mode: ForwardMode
+    wrappers: list  # per plan group, the wrapper planned for this step
+
+
+class FlashInferAttnBackend(AttentionBackend):
+    """Paged attention through FlashInfer's batch prefill and decode wrappers.
+
+    Layers are split into plan groups (same heads, window, softcap, scale); each group owns a
+    prefill wrapper (extend and mixed steps) and a decode wrapper (all-decode steps), and all
+    wrappers share one float workspace. `init_forward_metadata` plans the step's wrapper of every
+    group once; `forward` writes the layer's new K/V into the pool and runs its group's wrapper.
+    """
+
+    name = "flashinfer"
+
+    def __init__(self, kv_pool: KVPool, device: torch.device, layers: list[AttentionLayerInfo],
+                 workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> None:
+        import flashinfer
+
+        super().__init__(kv_pool, device)
+        self.dtype = kv_pool.k_pages[0].dtype
+        if self.device.type == "cuda" and self.dtype not in KERNEL_DTYPES:
+            raise ValueError(f"the flashinfer attention backend runs float16 or bfloat16 models, got {self.dtype}; "
+                             "use attention_backend='torch' for this dtype")
+        if workspace_bytes <= 0:
+            raise ValueError(f"workspace_bytes must be positive, got {workspace_bytes}")
+        self.groups: list[PlanGroup] = group_layers(layers)
+        self.layer_to_group = layer_to_group_index(self.groups, len(layers))
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)  # [bytes]
+        self.prefill_wrappers = [
+            flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD") for _ in self.groups
+        ]
+        self.decode_wrappers = [
+            flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, kv_layout="NHD",
+                use_tensor_cores=group.num_qo_heads // group.num_kv_heads >= MIN_GQA_GROUP_FOR_TENSOR_CORES,
+            ) if group.has_decode_kernel else None
+            for group in self.groups
+        ]
+        self.metadata: _StepMetadata | None = None
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        plan = plan_forward_batch(forward_batch, self.kv_pool.page_size)
+        out_cache_loc = forward_batch.out_cache_loc.to(self.device)  # [N]
+        if plan.batch_size == 0:
+            self.metadata = _StepMetadata(out_cache_loc, plan.forward_mode, [])
+            return
+        # flashinfer reads qo_indptr, kv_indptr and last_page_len on the host during plan() (a
+        # device copy would cost one sync per group), and copies them to the device itself; the
+        # page list, the one array that grows with context, goes to the device once for all groups.
+        kv_indices = plan.kv_indices.to(self.device, non_blocking=True)  # [num_pages_used] int32
+        wrappers = [self._plan_group(index, group, plan, kv_indices) for index, group in enumerate(self.groups)]
+        self.metadata = _StepMetadata(out_cache_loc, plan.forward_mode, wrappers)
+
+    def _plan_group(self, index: int, group: PlanGroup, plan: PagedKVPlan, kv_indices: torch.Tensor):
+        if plan.forward_mode is ForwardMode.DECODE and group.has_decode_kernel:
+            wrapper = self.decode_wrappers[index]
+            wrapper.plan(
+                plan.kv_indptr, kv_indices, plan.kv_last_page_len,
+                group.num_qo_heads, group.num_kv_heads, group.head_dim, plan.page_size,
+                pos_encoding_mode="NONE",  # HF has applied RoPE already
+                window_left=group.window_left,
+                logits_soft_cap=group.logits_soft_cap,
+                q_data_type=self.dtype,
+                kv_data_type=self.dtype,
+                sm_scale=group.sm_scale,
+            )
+            return wrapper
+        wrapper = self.prefill_wrappers[index]
+        wrapper.plan(
+            plan.qo_indptr, plan.kv_indptr, kv_indices, plan.kv_last_page_len,
+            group.num_qo_heads, group.num_kv_heads, group.head_dim, plan.page_size,
+            head_dim_vo=group.v_head_dim,
+            causal=True,  # bottom-right aligned: new token j sees the prefix and new tokens 0..j
+            pos_encoding_mode="NONE",
+            sm_scale=group.sm_scale,
+            window_left=group.window_left,
+            logits_soft_cap=group.logits_soft_cap,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        return wrapper
+
+    def forward(self, layer_idx, q, k, v, scaling, sliding_window, softcap):
+        meta = self.metadata
+        self.kv_pool.write(layer_idx, meta.out_cache_loc, k, v)
+        if not meta.wrappers:
+            return q.new_empty((0, q.shape[1], v.shape[-1]))  # [0, Hq, Dv]
+        group_index = self.layer_to_group[layer_idx]
+        self._check_layer_call(layer_idx, self.groups[group_index], scaling, sliding_window, softcap)
+        kv_cache = (self.kv_pool.k_pages[layer_idx], self.kv_pool.v_pages[layer_idx])  # NHD [pages, page_size, Hkv, D]
+        out = meta.wrappers[group_index].run(q.to(self.dtype).contiguous(), kv_cache)  # [N, Hq, Dv]
+        return out.to(q.dtype)
+
+    @staticmethod
+    def _check_layer_call(layer_idx: int, group: PlanGroup, scaling, sliding_window, softcap) -> None:
+        """The plan was built from the load-time probe; a layer that changes its settings would be wrong."""
+        planned = (group.sm_scale, group.window_left + 1 if group.window_left >= 0 else None, group.logits_soft_cap)
+        if (float(scaling), sliding_window, softcap) != planned:
+            raise RuntimeError(
+                f"layer {layer_idx} attends with scaling={scaling}, sliding_window={sliding_window}, "
+                f"softcap={softcap}, but the load-time probe planned {planned}"
+            )

@@ -1,0 +1,155 @@
+"""Host-side planning for FlashInfer: CSR page tables per step and plan groups per model.
+
+Pure functions over CPU data, no flashinfer import, so every invariant FlashInfer relies on is
+unit-tested on any machine. FlashInfer's paged layout (0.7.2) for a batch of B requests:
+
+- `qo_indptr [B+1]`: request b's new tokens are rows `qo_indptr[b]:qo_indptr[b+1]` of q;
+- `kv_indptr [B+1]`, `kv_indices [kv_indptr[-1]]`: request b's pages, in token order, are
+  `kv_indices[kv_indptr[b]:kv_indptr[b+1]]` (page ids, not token slots);
+- `kv_last_page_len [B]`, in 1..page_size: tokens used in the last page, so the KV length is
+  `(num_pages - 1) * page_size + last_page_len` (flashinfer's `get_seq_lens`).
+
+All four are int32. The KV of a request already includes this step's tokens (they are written
+before attention), and the causal mask is bottom-right aligned, so new token j of a request with
+`prefix_len` cached tokens sees positions `0..prefix_len + j`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from nnrun.forward_batch import ForwardBatch, ForwardMode
+from nnrun.model_probe import AttentionLayerInfo
+
+
+@dataclass(frozen=True)
+class PlanGroup:
+    """Layers that can share one FlashInfer plan: same heads, window, softcap and softmax scale.
+
+    FlashInfer fixes `sm_scale`, `window_left` and `logits_soft_cap` at plan time (non-trtllm
+    backends), so each distinct combination needs its own wrapper and its own `plan()` per step.
+    """
+
+    layer_ids: tuple[int, ...]
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    window_left: int  # inclusive left window; -1 attends the whole prefix
+    logits_soft_cap: float | None  # cap * tanh(x / cap); None: no cap
+    sm_scale: float
+
+    @property
+    def has_decode_kernel(self) -> bool:
+        """FlashInfer's decode wrapper takes one head_dim for q, k and v."""
+        return self.head_dim == self.v_head_dim
+
+
+def window_left_of(sliding_window: int | None) -> int:
+    """HF keeps kv positions > q - W; FlashInfer's inclusive window keeps kv >= q - window_left."""
+    if sliding_window is None:
+        return -1
+    if sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+    return sliding_window - 1
+
+
+def group_layers(layers: Sequence[AttentionLayerInfo]) -> list[PlanGroup]:
+    """Plan groups in order of first layer; each layer belongs to exactly one group."""
+    members: dict[tuple, list[int]] = {}
+    for layer in layers:
+        key = (layer.num_q_heads, layer.kv_shape.num_kv_heads, layer.kv_shape.head_dim, layer.kv_shape.v_head_dim,
+               window_left_of(layer.sliding_window), layer.softcap, float(layer.scaling))
+        members.setdefault(key, []).append(layer.layer_idx)
+    return [PlanGroup(tuple(ids), *key) for key, ids in members.items()]
+
+
+def layer_to_group_index(groups: Sequence[PlanGroup], num_layers: int) -> list[int]:
+    """`mapping[layer_idx]` is the index of the layer's group in `groups`."""
+    mapping = [-1] * num_layers
+    for index, group in enumerate(groups):
+        for layer_idx in group.layer_ids:
+            mapping[layer_idx] = index
+    if -1 in mapping:
+        raise ValueError(f"layers {[i for i, g in enumerate(mapping) if g < 0]} belong to no plan group")
+    return mapping
+
+
+@dataclass
+class PagedKVPlan:
+    """One step's FlashInfer page tables (CPU, int32) and the wrapper kind that runs it."""
+
+    forward_mode: ForwardMode  # DECODE: the decode wrappers; EXTEND: the prefill wrappers
+    page_size: int
+    qo_indptr: torch.Tensor  # [B+1] int32
+    kv_indptr: torch.Tensor  # [B+1] int32, in pages
+    kv_indices: torch.Tensor  # [kv_indptr[-1]] int32 page ids
+    kv_last_page_len: torch.Tensor  # [B] int32, each in 1..page_size
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.kv_last_page_len.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.qo_indptr[-1])
+
+    def seq_lens(self) -> torch.Tensor:
+        """[B] int32 KV length of each request (flashinfer.get_seq_lens)."""
+        num_pages = self.kv_indptr[1:] - self.kv_indptr[:-1]
+        return (num_pages - 1) * self.page_size + self.kv_last_page_len
+
+
+def plan_paged_kv(prefix_lens: Sequence[int], extend_seq_lens: Sequence[int],
+                  page_tables: Sequence[Sequence[int]], page_size: int) -> PagedKVPlan:
+    """CSR page tables for requests with `prefix_lens` cached and `extend_seq_lens` new tokens.
+
+    `page_tables[b]` lists request b's pages in token order; it may hold more pages than the
+    request uses (only the first `ceil(seq_len / page_size)` are read). The mode is DECODE when
+    every request brings one token after a non-empty prefix, EXTEND otherwise.
+    """
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    if not len(prefix_lens) == len(extend_seq_lens) == len(page_tables):
+        raise ValueError(f"{len(prefix_lens)} prefix lengths, {len(extend_seq_lens)} extend lengths and "
+                         f"{len(page_tables)} page tables: one of each per request is needed")
+    qo_indptr, kv_indptr, kv_indices, last_page_lens = [0], [0], [], []
+    for prefix_len, extend_len, pages in zip(prefix_lens, extend_seq_lens, page_tables):
+        if prefix_len < 0 or extend_len <= 0:
+            raise ValueError(f"each request needs prefix_len >= 0 and at least one new token, "
+                             f"got prefix_len={prefix_len}, extend_len={extend_len}")
+        seq_len = prefix_len + extend_len
+        num_pages = -(-seq_len // page_size)
+        if len(pages) < num_pages:
+            raise ValueError(f"a request of {seq_len} tokens needs {num_pages} pages of {page_size}, "
+                             f"its page table has {len(pages)}")
+        qo_indptr.append(qo_indptr[-1] + extend_len)
+        kv_indptr.append(kv_indptr[-1] + num_pages)
+        kv_indices.extend(pages[:num_pages])
+        last_page_lens.append(seq_len - (num_pages - 1) * page_size)
+    is_decode = bool(prefix_lens) and all(p > 0 and e == 1 for p, e in zip(prefix_lens, extend_seq_lens))
+    return PagedKVPlan(
+        forward_mode=ForwardMode.DECODE if is_decode else ForwardMode.EXTEND,
+        page_size=page_size,
+        qo_indptr=torch.tensor(qo_indptr, dtype=torch.int32),  # [B+1]
+        kv_indptr=torch.tensor(kv_indptr, dtype=torch.int32),  # [B+1]
+        kv_indices=torch.tensor(kv_indices, dtype=torch.int32),  # [sum of pages]
+        kv_last_page_len=torch.tensor(last_page_lens, dtype=torch.int32),  # [B]
+    )
+
+
+def plan_forward_batch(forward_batch: ForwardBatch, page_size: int) -> PagedKVPlan:
+    """The page tables of one engine step, read from each request's `page_ids`.
+
+    A step the runner labelled EXTEND stays EXTEND even if it happens to look like a decode.
+    """
+    plan = plan_paged_kv(forward_batch.prefix_lens, forward_batch.extend_seq_lens,
+                         [req.page_ids for req in forward_batch.reqs], page_size)
+    if forward_batch.forward_mode is not ForwardMode.DECODE:
+        plan.forward_mode = ForwardMode.EXTEND
+    elif plan.forward_mode is not ForwardMode.DECODE:
+        raise ValueError("a DECODE step must bring exactly one new token per request after a cached prefix")
+    return plan
