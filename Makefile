@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(PY) -m nnrun.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -x -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py
