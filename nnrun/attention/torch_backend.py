@@ -78,8 +78,10 @@ class TorchAttnBackend(AttentionBackend):
 
     def _decode(self, layer_idx, q, scaling, sliding_window, softcap):
         meta = self.metadata
-        keys = self.kv_pool.k_flat(layer_idx)[meta.decode_slots]  # [B, L, Hkv, D]
-        values = self.kv_pool.v_flat(layer_idx)[meta.decode_slots]  # [B, L, Hkv, Dv]
+        batch_slots = meta.decode_slots.flatten()  # [B * L]
+        k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
+        keys = k_flat.index_select(0, batch_slots).view(*meta.decode_slots.shape, *k_flat.shape[1:])  # [B, L, Hkv, D]
+        values = v_flat.index_select(0, batch_slots).view(*meta.decode_slots.shape, *v_flat.shape[1:])  # [B, L, Hkv, Dv]
         kv_pos = torch.arange(keys.shape[1], device=q.device)  # [L]
         q_pos = (meta.decode_seq_lens - 1)[:, None]  # [B, 1]
         allowed = kv_pos[None, :] <= q_pos  # [B, L]
@@ -87,10 +89,15 @@ class TorchAttnBackend(AttentionBackend):
             allowed &= kv_pos[None, :] > q_pos - sliding_window
         batch, num_q_heads, head_dim = q.shape
         num_kv_heads = keys.shape[2]
+        if softcap is None:
+            out = F.scaled_dot_product_attention(
+                q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
+                attn_mask=allowed[:, None, None, :], scale=scaling, enable_gqa=num_q_heads != num_kv_heads,
+            )  # [B, Hq, 1, Dv]
+            return out[:, :, 0]
         grouped_q = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
         scores = torch.einsum("bkgd,blkd->bkgl", grouped_q.float(), keys.float()) * scaling  # [B, Hkv, G, L]
-        if softcap is not None:
-            scores = torch.tanh(scores / softcap) * softcap
+        scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
         out = torch.einsum("bkgl,blkd->bkgd", probs, values.float())  # [B, Hkv, G, Dv]
