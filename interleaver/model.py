@@ -28,7 +28,8 @@ from nnrun.engine import LLM
 from nnrun.sampling_params import SamplingParams
 
 GENERATE_KWARGS = (
-    "max_new_tokens", "max_length", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty", "seed",
+    "max_new_tokens", "max_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+    "repetition_penalty", "seed",
 )
 _trace_seq = itertools.count()
 _request_seq = itertools.count()
@@ -222,10 +223,12 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         if max_new is None:  # as HF: a max_length someone set counts the prompt, its own default does not
             explicit = kwargs.get("max_length") or getattr(config, "max_length", None)
             max_new = max(1, explicit - prompt_len) if explicit else defaults["max_length"]
+        min_new = min(setting("min_new_tokens") or 0, max_new)
         if not setting("do_sample"):
-            return SamplingParams(max_tokens=max_new, temperature=0.0, repetition_penalty=setting("repetition_penalty"))
+            return SamplingParams(max_tokens=max_new, min_tokens=min_new, temperature=0.0,
+                                  repetition_penalty=setting("repetition_penalty"))
         return SamplingParams(
-            max_tokens=max_new, temperature=setting("temperature"), top_k=setting("top_k") or 0,
+            max_tokens=max_new, min_tokens=min_new, temperature=setting("temperature"), top_k=setting("top_k") or 0,
             top_p=setting("top_p"), repetition_penalty=setting("repetition_penalty"), seed=kwargs.get("seed"),
         )
 

@@ -74,7 +74,8 @@ class LLM:
         self.model = self.runner.model
         self.tokenizer = self.runner.tokenizer
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        self.core = EngineCore(self.runner, _eos_token_ids(self.model, self.tokenizer))
+        self.runner.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
+        self.core = EngineCore(self.runner, self.runner.eos_token_ids)
         self._ids = itertools.count()
         self._arrivals = itertools.count(1)
         self._handles: dict[str, RequestHandle] = {}

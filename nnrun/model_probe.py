@@ -43,7 +43,9 @@ class _ProbeBackend(AttentionBackend):
 def probe_attention_layers(model: torch.nn.Module, device: torch.device) -> list[AttentionLayerInfo]:
     """Per-layer K/V shapes, scale, window and softcap, indexed by `module.layer_idx`."""
     probe = _ProbeBackend()
-    input_ids = torch.zeros((1, 2), dtype=torch.int64, device=device)  # [1, 2]
+    pad_id = getattr(model.config, "pad_token_id", None)
+    token_id = 1 if pad_id == 0 else 0  # a pad token would make some models warn about missing masks
+    input_ids = torch.full((1, 2), token_id, dtype=torch.int64, device=device)  # [1, 2]
     positions = torch.arange(2, device=device)[None]  # [1, 2]
     with forward_context(probe), torch.no_grad():
         model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=1)

@@ -40,6 +40,7 @@ class ModelRunner:
         self.device = torch.device(config.device.device)
         self.sampler = Sampler()
         self.step_lock = threading.RLock()  # one forward at a time: engine steps and run_prefill_only
+        self.eos_token_ids: set[int] = set()  # set by the engine; used for min_tokens
 
     # ---- lifecycle -------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -209,7 +210,19 @@ class ModelRunner:
             for req in forward_batch.reqs
         ]
         with torch.no_grad():
-            return self.sampler(logits_output.next_token_logits, rows)
+            logits = self._mask_stops_before_min_tokens(logits_output.next_token_logits, forward_batch.reqs)
+            return self.sampler(logits, rows)
+
+    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Rows still short of `min_tokens` cannot pick EOS or a stop token (HF's min_new_tokens)."""
+        short = [row for row, req in enumerate(reqs) if len(req.output_token_ids) < req.sampling_params.min_tokens]
+        if not short:
+            return logits
+        logits = logits.clone()  # [B, V]; the caller's logits (nnsight's model.logits) stay as served
+        for row in short:
+            stops = set(self.eos_token_ids) | set(reqs[row].sampling_params.stop_token_ids)
+            logits[row, [t for t in stops if 0 <= t < logits.shape[-1]]] = float("-inf")
+        return logits
 
     def finish_requests(self, reqs: list[Request]) -> None:
         """Called by the engine once requests have finished; subclasses collect per-request results."""

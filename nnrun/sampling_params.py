@@ -10,6 +10,7 @@ class SamplingParams:
     """Per-request sampling and stopping settings, named as in vLLM."""
 
     max_tokens: int | None = 16
+    min_tokens: int = 0  # EOS and stop tokens are masked out until this many tokens exist (HF min_new_tokens)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k
@@ -29,6 +30,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens <= 0):
             raise ValueError(f"SamplingParams.max_tokens must be a positive int, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"SamplingParams.min_tokens must be a non-negative int, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
         if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

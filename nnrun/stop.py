@@ -18,6 +18,8 @@ class StopChecker:
     def check(self, req: Request) -> FinishReason | None:
         params = req.sampling_params
         token_id = req.output_token_ids[-1]
+        if len(req.output_token_ids) < params.min_tokens:
+            return self._length_limit(req)
         if not params.ignore_eos and token_id in self.eos_token_ids:
             req.stop_reason = None
             return FinishReason.STOP
@@ -32,7 +34,11 @@ class StopChecker:
                     req.text = text[:index]
                     req.stop_reason = stop
                     return FinishReason.STOP
-        if params.max_tokens is not None and len(req.output_token_ids) >= params.max_tokens:
+        return self._length_limit(req)
+
+    def _length_limit(self, req: Request) -> FinishReason | None:
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None and len(req.output_token_ids) >= max_tokens:
             return FinishReason.LENGTH
         if req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

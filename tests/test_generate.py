@@ -121,3 +121,24 @@ def test_text_prompts_and_stop_strings_with_a_tokenizer(tiny_llm):
     out = llm.generate("The", nnrun.SamplingParams(max_tokens=12, temperature=0, stop=stop, ignore_eos=True))[0]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
     assert stop not in out.outputs[0].text and text.startswith(out.outputs[0].text)
+
+
+def test_min_tokens_masks_eos_like_hf_min_new_tokens():
+    """tiny-facts ends " Paris." with EOS; min_tokens keeps it going exactly as HF's min_new_tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nnrun.assets import bundled_model_path
+
+    path = bundled_model_path("tiny-facts")
+    oracle, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    ids = tokenizer("The Eiffel Tower is in", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        free = oracle.generate(ids, max_new_tokens=10, do_sample=False)[0, ids.shape[1]:].tolist()
+        held = oracle.generate(ids, max_new_tokens=10, min_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert len(free) < 8 and free[-1] == tokenizer.eos_token_id  # the oracle really stops early
+    with nnrun.LLM("tiny-facts") as llm:
+        prompt = ids[0].tolist()
+        stops = llm.generate([prompt], nnrun.SamplingParams(max_tokens=10, temperature=0))[0].outputs[0]
+        longer = llm.generate([prompt], nnrun.SamplingParams(max_tokens=10, min_tokens=8, temperature=0))[0].outputs[0]
+    assert stops.token_ids == free and stops.finish_reason == "stop"
+    assert longer.token_ids == held[: len(longer.token_ids)] and len(longer.token_ids) >= 8

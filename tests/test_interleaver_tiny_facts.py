@@ -42,3 +42,16 @@ def test_patching_flip_equals_hf_hooks(nnrun_model, tiny_facts, layer_index, pos
     got = nnrun_patched_last_logits(nnrun_model, layer_index, position)
     torch.testing.assert_close(got.float(), expected.float(), atol=1e-4, rtol=1e-4)
     assert got.argmax().item() == answer_token_id(tokenizer, f" {winner}")
+
+
+def test_generate_min_new_tokens_runs_the_loop_to_its_count(nnrun_model, tiny_facts):
+    """HF's min_new_tokens keeps a `tracer.all()` loop going past the model's early EOS."""
+    hf_model, tokenizer = tiny_facts
+    ids = tokenizer("The Eiffel Tower is in", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = hf_model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    with nnrun_model.generate("The Eiffel Tower is in", max_new_tokens=8, min_new_tokens=8) as tracer:
+        samples = list().save()
+        for _ in tracer.all():
+            samples.append(nnrun_model.samples.item())
+    assert samples == expected.tolist()
