@@ -1,0 +1,204 @@
+"""Extraction throughput: `nnrun.extract` against three ways of getting the same activations, in one run.
+
+Workload: N prompts (lengths uniform in 16..512) through a ~30M-parameter dummy-weight Llama;
+every token's output of one module (default model.layers.4) is wanted on the host.
+
+  nnrun extract      the whole job: packed prefill, hooks, shards written to disk, manifest
+  (a) nnrun forward  the same packed prefill batches with no hooks and nothing kept
+  (b) HF padded      padded batches, a forward hook copying each prompt's rows to the host
+  (c) nnsight        LanguageModel traces, one invoke per prompt, `.output.save()` per invoke
+
+Prints tokens/s of each and the ratios of extraction to each (these machines are noisy: only
+the ratios mean much). Targets: at least 0.9x of (a), 2x of (b) and (c).
+
+    python benchmarks/extract.py [--num-prompts 2000] [--device cpu] [--skip-nnsight]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+import warnings
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+import nnrun
+from common import left_padded, llama_30m_config, random_prompts
+from nnrun.extract.plan import forward_batches
+from nnrun.extract.prepare import PreparedPrompt
+
+
+class Clock:
+    """Wall seconds and this process's CPU seconds (all threads) since start.
+
+    On a shared CPU box the wall clock swings with the neighbours' load; CPU time barely does,
+    so both are reported. On a GPU only the wall clock means anything.
+    """
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def stop(self) -> tuple[float, float]:
+        return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def time_extract(llm: nnrun.LLM, prompts: list[list[int]], module: str, shard_tokens: int) -> tuple[float, float]:
+    out_dir = tempfile.mkdtemp(prefix="nnrun-extract-bench-")
+    try:
+        clock = Clock()
+        nnrun.extract(llm, prompts, [module], out_dir, shard_tokens=shard_tokens, progress=False)
+        return clock.stop()
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def time_bare_forward(llm: nnrun.LLM, prompts: list[list[int]]) -> tuple[float, float]:
+    """(a): the extraction job's own forward batches, with no hooks and nothing copied."""
+    prepared = [PreparedPrompt(i, p) for i, p in enumerate(prompts)]
+    budget = min(llm.config.scheduler.max_num_batched_tokens, llm.runner.max_total_tokens)
+    batches = forward_batches(prepared, budget, llm.config.scheduler.max_num_seqs, llm.runner.allocator.page_size)
+    clock = Clock()
+    for batch in batches:
+        llm.runner.run_prefill_only([p.token_ids for p in batch])
+    _sync(llm.runner.device)
+    return clock.stop()
+
+
+@torch.no_grad()
+def time_hf_padded(hf: torch.nn.Module, prompts: list[list[int]], module: str,
+                   batch_size: int) -> tuple[float, float]:
+    """(b): left-padded batches; a forward hook copies each prompt's own rows to the host."""
+    kept: list[torch.Tensor] = []
+    lengths: list[int] = []
+
+    def hook(mod: torch.nn.Module, args: tuple, output) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output  # [B, T_max, H]
+        width = hidden.shape[1]
+        kept.extend(hidden[row, width - n :].cpu() for row, n in enumerate(lengths))
+
+    handle = hf.get_submodule(module).register_forward_hook(hook)
+    device = next(hf.parameters()).device
+    clock = Clock()
+    try:
+        for first in range(0, len(prompts), batch_size):
+            batch = prompts[first : first + batch_size]
+            lengths[:] = [len(p) for p in batch]
+            ids, mask = left_padded(batch)
+            hf(ids.to(device), attention_mask=mask.to(device), logits_to_keep=1)
+    finally:
+        handle.remove()
+    elapsed = clock.stop()
+    assert len(kept) == len(prompts)
+    return elapsed
+
+
+def time_nnsight(hf: torch.nn.Module, prompts: list[list[int]], module: str, batch_size: int) -> tuple[float, float]:
+    """(c): nnsight traces of `batch_size` invokes each, saving the module's output per invoke."""
+    from nnsight import LanguageModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = LanguageModel(hf, tokenizer=_id_tokenizer(hf.config.vocab_size))
+    envoy = lm
+    for part in module.split("."):
+        envoy = envoy[int(part)] if part.isdigit() else getattr(envoy, part)
+    kept: list[torch.Tensor] = []
+    clock = Clock()
+    for first in range(0, len(prompts), batch_size):
+        batch = prompts[first : first + batch_size]
+        saves = []
+        with lm.trace(logits_to_keep=1) as tracer:
+            for prompt in batch:
+                with tracer.invoke(prompt):
+                    saves.append(envoy.output.save())
+        for prompt, saved in zip(batch, saves):
+            hidden = saved[0] if isinstance(saved, tuple) else saved  # [1, T_padded, H]
+            kept.append(hidden[0, -len(prompt) :].cpu())
+    elapsed = clock.stop()
+    assert len(kept) == len(prompts)
+    return elapsed
+
+
+def _id_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over the model's ids: nnsight only needs it to pad token id prompts."""
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
+                                   pad_token="t0")
+
+
+def _layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-prompts", type=int, default=2000)
+    parser.add_argument("--min-len", type=int, default=16)
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--module", default="model.layers.4")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch-tokens", type=int, default=4096, help="nnrun tokens per forward")
+    parser.add_argument("--shard-tokens", type=int, default=32768)
+    parser.add_argument("--hf-batch-size", type=int, default=16, help="prompts per padded batch / per trace")
+    parser.add_argument("--skip-nnsight", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds; each contender's best time counts")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    config = llama_30m_config()
+    llm = nnrun.LLM(config, load_format="dummy", device=args.device, dtype="float32",
+                    max_num_batched_tokens=args.batch_tokens, max_total_tokens=max(args.batch_tokens, args.max_len))
+    hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    hf.load_state_dict(llm.model.state_dict())  # the same weights for every contender
+    hf.to(args.device)
+    prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, config.vocab_size)
+    num_tokens = sum(map(len, prompts))
+    params = sum(p.numel() for p in hf.parameters())
+    print(f"model: dummy Llama, {params / 1e6:.1f}M params on {args.device}; {len(prompts)} prompts, "
+          f"{num_tokens} tokens; module {args.module}; torch threads {torch.get_num_threads()}")
+
+    contenders = {
+        "extract": lambda batch: time_extract(llm, batch, args.module, args.shard_tokens),
+        "forward": lambda batch: time_bare_forward(llm, batch),
+        "hf": lambda batch: time_hf_padded(hf, batch, args.module, args.hf_batch_size),
+    }
+    if not args.skip_nnsight:
+        contenders["nnsight"] = lambda batch: time_nnsight(hf, batch, args.module, args.hf_batch_size)
+    for run in contenders.values():  # first calls pay one-off costs (allocator, kernels): keep them out
+        run(prompts[:4])
+    wall: dict[str, float] = {}
+    cpu: dict[str, float] = {}
+    for _ in range(args.repeats):  # rounds alternate the contenders, so a noisy neighbour hits all alike
+        for name, run in contenders.items():
+            wall_s, cpu_s = run(prompts)
+            wall[name], cpu[name] = min(wall.get(name, wall_s), wall_s), min(cpu.get(name, cpu_s), cpu_s)
+    names = {"extract": "nnrun extract", "forward": "(a) nnrun forward, no hooks",
+             "hf": f"(b) HF padded x{args.hf_batch_size} + hook", "nnsight": f"(c) nnsight {args.hf_batch_size} invokes"}
+    clocks = {"wall": wall} if args.device.startswith("cuda") else {"wall": wall, "cpu-time": cpu}
+    for clock, seconds in clocks.items():
+        rate = {name: num_tokens / s for name, s in seconds.items()}
+        print(f"tokens/s ({clock}): " + " | ".join(f"{names[n]} {rate[n]:.0f}" for n in rate))
+        ratios = [f"vs {names[n].split(')')[0]}) {rate['extract'] / rate[n]:.2f}x" for n in rate if n != "extract"]
+        print(f"extraction ratio ({clock}): " + ", ".join(ratios) + "  (targets: >=0.9x (a), >=2x (b) and (c))")
+    depth = _layer_of(args.module)
+    if depth is not None and depth + 1 < config.num_hidden_layers:
+        print(f"note: extraction stops each forward after {args.module} ({depth + 1} of "
+              f"{config.num_hidden_layers} layers); (a), (b) and (c) run the whole model")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

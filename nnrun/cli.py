@@ -1,0 +1,40 @@
+"""The `nnrun` command line: one subcommand per job (`nnrun extract ...`).
+
+A subcommand is a module with `add_arguments(parser)` and `run(args) -> exit code`; adding one
+is adding a line to SUBCOMMANDS. A subcommand's module (and torch with it) loads only when
+that subcommand is named, so `nnrun --help` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module with add_arguments and run, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "extract": ("nnrun.extract.command", "store module activations of many prompts in shards"),
+}
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser, with full options for the subcommands named in `argv`."""
+    parser = argparse.ArgumentParser(prog="nnrun", description="nnrun: an interpretability runtime")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(module_name=module_name)
+        if name in argv:
+            importlib.import_module(module_name).add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `nnrun` console script."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(argv).parse_args(argv)
+    return importlib.import_module(args.module_name).run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Open an output folder for a job: claim a new one, or check an existing one may be continued."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from nnrun.extract.manifest import MANIFEST_NAME, Manifest, SettingsMismatchError, settings_diff
+
+_SHARD_GLOB = "shard-*.safetensors"
+
+
+def open_folder(out_dir: Path, settings: dict[str, Any], model_info: dict[str, Any], resume: bool) -> Manifest:
+    """The folder's manifest, new (and saved at once, so the settings are claimed) or resumed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest.load(out_dir)
+    if manifest is None:
+        others = sorted(p.name for p in out_dir.iterdir() if not _is_uncommitted(p))
+        if others:
+            raise ValueError(f"{out_dir} is not empty ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}) "
+                             "and holds no extraction; choose a new or empty folder")
+        manifest = Manifest(settings=settings, model=model_info)
+    elif not resume:
+        raise FileExistsError(f"{out_dir} already holds an extraction; pass resume=True (CLI: leave out "
+                              "--no-resume) to continue it, or choose another folder")
+    else:
+        diffs = settings_diff(manifest.settings, settings)
+        if diffs:
+            raise SettingsMismatchError(
+                f"{out_dir} holds an extraction made with other settings, and continuing would mix them: "
+                f"{'; '.join(diffs)}. Re-run with the stored settings, or choose another folder"
+            )
+        _check_shards(out_dir, manifest)
+    remove_uncommitted(out_dir, manifest)
+    manifest.save(out_dir)
+    return manifest
+
+
+def remove_uncommitted(out_dir: Path, manifest: Manifest) -> None:
+    """Delete temp files and shards written after the last manifest update (a killed job's leftovers)."""
+    committed = {shard.file for shard in manifest.shards}
+    for path in out_dir.iterdir():
+        if _is_uncommitted(path) and path.name not in committed:
+            path.unlink()
+
+
+def _is_uncommitted(path: Path) -> bool:
+    return path.name.endswith(".tmp") or path.match(_SHARD_GLOB) or path.name == MANIFEST_NAME
+
+
+def _check_shards(out_dir: Path, manifest: Manifest) -> None:
+    for shard in manifest.shards:
+        path = out_dir / shard.file
+        if not path.is_file() or path.stat().st_size != shard.num_bytes:
+            raise ValueError(f"{path} is listed in the manifest but is missing or has the wrong size; "
+                             "the folder is damaged: extract into a new folder")

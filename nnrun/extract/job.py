@@ -1,0 +1,226 @@
+"""`nnrun.extract`: run prompts through the engine's prefill and store named modules' values in shards.
+
+One job: open the folder (new or resumed), replay the input up to the last complete shard,
+then for each planned shard run its forward batches with hooks on the named modules, write
+the shard, and commit it in the manifest. See plan.py for why a resume is byte-identical.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nnrun.config import resolve_dtype
+from nnrun.extract.committer import ShardCommit, ShardCommitter
+from nnrun.extract.folder import open_folder
+from nnrun.extract.hooks import (ActivationCapture, ModuleSpec, StopForward, gather_rows, packed_starts,
+                                 resolve_modules)
+from nnrun.extract.identity import config_hash, tokenizer_hash, weights_hash
+from nnrun.extract.inputs import InputError, PromptSource, open_prompts
+from nnrun.extract.manifest import Manifest, SettingsMismatchError
+from nnrun.extract.plan import HashedRecords, ShardPlan, forward_batches, plan_shards
+from nnrun.extract.prepare import LengthPolicy, PreparedPrompt, prepare_prompts
+from nnrun.extract.progress import ExtractionSummary, Progress
+from nnrun.extract.shards import ShardBuffer
+
+DEFAULT_SHARD_TOKENS = 32768  # ~8 MB per module at H=128 fp32 ... 256 MB at H=4096 fp16
+
+
+@dataclass(frozen=True)
+class ExtractionOptions:
+    """How to extract; everything here but `on_error`, `resume` and `progress` is part of the folder's settings."""
+
+    positions: str = "all"  # "all": every token; "last": each prompt's last token
+    dtype: str | torch.dtype | None = None  # stored dtype; None or "auto": the model's dtype
+    max_length: int | None = None  # longest prompt in tokens; None: the model's context length
+    truncate: bool = False  # cut longer prompts to max_length instead of reporting them
+    on_error: str = "stop"  # "stop" at the first bad item, or "skip" it and record it in the manifest
+    shard_tokens: int = DEFAULT_SHARD_TOKENS  # prompt tokens per shard file (a longer prompt gets its own)
+    resume: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.positions not in ("all", "last"):
+            raise ValueError(f"positions must be 'all' or 'last', got {self.positions!r}")
+        if self.on_error not in ("stop", "skip"):
+            raise ValueError(f"on_error must be 'stop' or 'skip', got {self.on_error!r}")
+        if self.max_length is not None and self.max_length <= 0:
+            raise ValueError(f"max_length must be positive, got {self.max_length}")
+        if self.shard_tokens <= 0:
+            raise ValueError(f"shard_tokens must be positive, got {self.shard_tokens}")
+        if self.dtype is not None:
+            resolve_dtype(self.dtype, "cpu")  # raises ValueError naming the allowed dtypes
+
+
+def extract(model: Any, prompts: Any, modules: list[str] | str, out_dir: str | Path, *, tokenizer: Any = None,
+            positions: str = "all", dtype: str | torch.dtype | None = None, max_length: int | None = None,
+            truncate: bool = False, on_error: str = "stop", text_field: str = "text", limit: int | None = None,
+            shard_tokens: int = DEFAULT_SHARD_TOKENS, resume: bool = True, progress: bool = True,
+            llm_kwargs: dict[str, Any] | None = None) -> ExtractionSummary:
+    """Extract `modules`' values for every prompt into shards under `out_dir`; see `load_activations`.
+
+    `model`: an `nnrun.LLM`, or anything `nnrun.LLM` accepts (built with `tokenizer` and
+    `llm_kwargs`, e.g. device, dtype, max_num_batched_tokens, and shut down at the end).
+    `prompts`: an iterable of strings or token id lists, or the path of a .txt / .jsonl /
+    .parquet file or a saved HF dataset folder (`text_field` names the column).
+    `modules`: HF module paths, optionally ending in ".input" or ".output" (the default).
+    """
+    options = ExtractionOptions(positions, dtype, max_length, truncate, on_error, shard_tokens, resume, progress)
+    source = open_prompts(prompts, text_field=text_field, limit=limit)
+    llm, is_owned = _as_llm(model, tokenizer, llm_kwargs, progress)
+    try:
+        return ExtractionJob(llm, source, modules, Path(out_dir), options).run()
+    finally:
+        if is_owned:
+            llm.shutdown()
+
+
+def _as_llm(model: Any, tokenizer: Any, llm_kwargs: dict[str, Any] | None, progress: bool) -> tuple[Any, bool]:
+    from transformers.utils import logging as hf_logging
+
+    from nnrun.engine import LLM
+
+    if isinstance(model, LLM):
+        if tokenizer is not None or llm_kwargs:
+            raise ValueError("tokenizer and llm_kwargs apply when extract builds the LLM; pass them to nnrun.LLM instead")
+        return model, False
+    is_bar_enabled = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()  # quiet means quiet: no "Loading weights" bar either
+    try:
+        return LLM(model, tokenizer=tokenizer, **(llm_kwargs or {})), True
+    finally:
+        if is_bar_enabled:
+            hf_logging.enable_progress_bar()
+
+
+class ExtractionJob:
+    """One call of `extract` on a built engine."""
+
+    def __init__(self, llm: Any, source: PromptSource, modules: list[str] | str, out_dir: Path,
+                 options: ExtractionOptions) -> None:
+        self.llm = llm
+        self.runner = llm.runner
+        self.source = source
+        self.out_dir = out_dir
+        self.options = options
+        self.specs: list[ModuleSpec] = resolve_modules(llm.model, modules)
+        is_model_dtype = options.dtype is None or options.dtype == "auto"
+        self.store_dtype = self.runner.dtype if is_model_dtype else resolve_dtype(options.dtype, "cpu")
+        # A prompt must fit the context and the KV pool, and a forward batch the step budget.
+        model_limit = min(self.runner.max_model_len, self.runner.max_total_tokens)
+        user_limit = options.max_length if options.max_length is not None else model_limit
+        self.length_policy = LengthPolicy(min(user_limit, model_limit), user_limit <= model_limit, options.truncate)
+        self.batch_tokens = min(llm.config.scheduler.max_num_batched_tokens, self.runner.max_total_tokens)
+        self.batch_prompts = llm.config.scheduler.max_num_seqs
+        self.page_size = self.runner.allocator.page_size
+        self.can_stop_early = False  # set once a complete forward shows the runner packs prompts in order
+
+    def settings(self) -> dict[str, Any]:
+        """Everything that shapes the stored bytes; a resume must match it exactly."""
+        weights_sha256, weights_mode = weights_hash(self.llm.model)
+        settings = {
+            "model": {"config_sha256": config_hash(self.llm.model), "weights_sha256": weights_sha256,
+                      "weights_hash": weights_mode, "dtype": str(self.runner.dtype).removeprefix("torch.")},
+            "tokenizer_sha256": tokenizer_hash(self.llm.tokenizer),
+            "modules": [spec.name for spec in self.specs],
+            "positions": self.options.positions,
+            "dtype": str(self.store_dtype).removeprefix("torch."),
+            "max_length": self.options.max_length,
+            "truncate": self.options.truncate,
+            "shard_tokens": self.options.shard_tokens,
+            "batch_tokens": self.batch_tokens,  # forward batching changes float rounding, so it is a setting
+            "batch_prompts": self.batch_prompts,
+            "page_size": self.page_size,
+            "text_field": self.source.text_field,
+            "limit": self.source.limit,
+        }
+        return json.loads(json.dumps(settings))  # exactly what a reloaded manifest compares against
+
+    def model_info(self) -> dict[str, Any]:
+        name = getattr(self.runner, "model_name", None) or type(self.llm.model).__name__
+        return {"name": str(name), "class": type(self.llm.model).__name__, "device": str(self.runner.device)}
+
+    def run(self) -> ExtractionSummary:
+        manifest = open_folder(self.out_dir, self.settings(), self.model_info(), self.options.resume)
+        num_resumed = len(manifest.shards)
+        progress = Progress(self.options.progress, self.source.total, initial=manifest.num_consumed)
+        summary = None
+        try:
+            if not manifest.is_complete:
+                self._extract(manifest, progress)
+            summary = self._summary(manifest, progress, num_resumed)
+        finally:
+            progress.close(summary)
+        return summary
+
+    def _extract(self, manifest: Manifest, progress: Progress) -> None:
+        records = HashedRecords(self.source.records())
+        is_same_input = records.skip(manifest.num_consumed) and (
+            manifest.num_consumed == 0 or records.hasher.hexdigest() == manifest.input_sha256)
+        if not is_same_input:
+            raise SettingsMismatchError(
+                f"{self.out_dir} was made from an input whose first {manifest.num_consumed} items differ from "
+                "this input's; re-run with the same input, or choose another folder")
+        prepared = prepare_prompts(records, self.llm.tokenizer, self.llm.vocab_size, self.length_policy)
+        with ShardCommitter(self.out_dir, manifest) as committer:
+            for plan in plan_shards(prepared, self.options.shard_tokens, manifest.num_consumed):
+                if not plan.prompts and not plan.skipped:
+                    continue  # the input ended right after the last shard
+                self._check_skipped(plan)
+                buffer = self._run_shard(plan, progress) if plan.prompts else None
+                progress.update(0, 0, len(plan.skipped))
+                skipped = [item.to_json() for item in plan.skipped]
+                committer.submit(ShardCommit(buffer, skipped, plan.end, records.commit(plan.end)))
+            committer.finish()
+
+    def _check_skipped(self, plan: ShardPlan) -> None:
+        if plan.skipped and self.options.on_error == "stop":
+            item = plan.skipped[0]
+            raise InputError(f"{item.message()}. Stopped before writing anything after the last complete shard; "
+                             "fix the input, or pass on_error='skip' (CLI: --on-error skip) to leave such items out")
+
+    def _run_shard(self, plan: ShardPlan, progress: Progress) -> ShardBuffer:
+        """Forward every batch of the shard.
+
+        The rows stay on the model's device until the committer thread copies them out, so a GPU
+        never waits on a device-to-host copy; up to three shards' rows (one being filled, one
+        queued, one being written) are on the device at once: size `shard_tokens` for that.
+        """
+        buffer = ShardBuffer([spec.name for spec in self.specs])
+        for batch in forward_batches(plan.prompts, self.batch_tokens, self.batch_prompts, self.page_size):
+            rows = self._forward(batch)
+            rows_per_prompt = [p.num_tokens if self.options.positions == "all" else 1 for p in batch]
+            buffer.add([p.index for p in batch], [p.token_ids for p in batch], rows, rows_per_prompt)
+            progress.update(len(batch), sum(p.num_tokens for p in batch))
+        return buffer
+
+    def _forward(self, batch: list[PreparedPrompt]) -> dict[str, torch.Tensor]:
+        """One packed prefill; each module's rows for the batch's prompts, back to back."""
+        lengths = [p.num_tokens for p in batch]
+        with ActivationCapture(self.llm.model, self.specs, self.store_dtype, self.can_stop_early) as capture:
+            try:
+                forward_batch = self.runner.run_prefill_only([p.token_ids for p in batch])
+                starts, seq_lens = list(forward_batch.extend_start_loc), list(forward_batch.extend_seq_lens)
+            except StopForward:
+                # No ForwardBatch comes back from a stopped forward; the layout is the packed one,
+                # as the job's first (complete) forward showed.
+                starts, seq_lens = packed_starts(lengths), lengths
+            flat = capture.take(sum(seq_lens))  # module -> [N, ...]
+        if seq_lens != lengths:
+            raise RuntimeError(f"the runner packed {seq_lens} tokens for prompts of {lengths}")
+        if starts == packed_starts(lengths):
+            self.can_stop_early = True
+        return {name: gather_rows(value, starts, lengths, self.options.positions) for name, value in flat.items()}
+
+    def _summary(self, manifest: Manifest, progress: Progress, num_resumed: int) -> ExtractionSummary:
+        return ExtractionSummary(
+            out_dir=str(self.out_dir), num_prompts=manifest.num_prompts, num_tokens=manifest.num_tokens,
+            num_skipped=len(manifest.skipped), num_shards=len(manifest.shards), num_resumed_shards=num_resumed,
+            num_new_prompts=progress.num_prompts, num_new_tokens=progress.num_tokens,
+            elapsed_s=progress.elapsed_s, is_complete=manifest.is_complete,
+        )
