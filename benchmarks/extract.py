@@ -77,7 +77,7 @@ def time_hf_padded(hf: torch.nn.Module, prompts: list[list[int]], module: str,
     def hook(mod: torch.nn.Module, args: tuple, output) -> None:
         hidden = output[0] if isinstance(output, tuple) else output  # [B, T_max, H]
         width = hidden.shape[1]
-        kept.extend(hidden[row, width - n :].cpu() for row, n in enumerate(lengths))
+        kept.extend(hidden[row, width - n :].to("cpu", copy=True) for row, n in enumerate(lengths))
 
     handle = hf.get_submodule(module).register_forward_hook(hook)
     device = next(hf.parameters()).device
@@ -116,7 +116,7 @@ def time_nnsight(hf: torch.nn.Module, prompts: list[list[int]], module: str, bat
                     saves.append(envoy.output.save())
         for prompt, saved in zip(batch, saves):
             hidden = saved[0] if isinstance(saved, tuple) else saved  # [1, T_padded, H]
-            kept.append(hidden[0, -len(prompt) :].cpu())
+            kept.append(hidden[0, -len(prompt) :].to("cpu", copy=True))
     elapsed = clock.stop()
     assert len(kept) == len(prompts)
     return elapsed
