@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from nnrun.request import Request
 
 
 class TokenToKVPoolAllocator:
@@ -122,3 +126,13 @@ class KVPool:
     def bytes_per_token(layer_shapes: list[LayerKVShape], dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return sum(s.num_kv_heads * (s.head_dim + s.v_head_dim) for s in layer_shapes) * itemsize
+
+
+def release_kv(req: "Request", allocator: TokenToKVPoolAllocator, req_to_token_pool: ReqToTokenPool) -> None:
+    """Free a request's pages and table row; its cache is gone, so nothing counts as computed (safe twice)."""
+    allocator.free(req.page_ids)
+    req.page_ids = []
+    if req.req_pool_idx is not None:
+        req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx = None
+    req.num_computed_tokens = 0

@@ -14,7 +14,7 @@ from nnrun.attention.selection import create_attention_backend
 from nnrun.config import EngineConfig
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.loader import load_model, max_context_len
-from nnrun.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from nnrun.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator, release_kv
 from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
 from nnrun.request import Request
 from nnrun.sampler import Sampler, SamplerOutput, SamplingRow
@@ -263,12 +263,7 @@ class ModelRunner:
 
     def release_kv(self, req: Request) -> None:
         """Free a request's pages and table row (safe to call twice)."""
-        self.allocator.free(req.page_ids)
-        req.page_ids = []
-        if req.req_pool_idx is not None:
-            self.req_to_token_pool.free(req.req_pool_idx)
-            req.req_pool_idx = None
-        req.num_computed_tokens = 0
+        release_kv(req, self.allocator, self.req_to_token_pool)
 
 
 _PREFILL_PARAMS = SamplingParams(max_tokens=1)

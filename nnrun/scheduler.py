@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from nnrun.config import SchedulerConfig
 from nnrun.forward_batch import ForwardMode
-from nnrun.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from nnrun.memory import ReqToTokenPool, TokenToKVPoolAllocator, release_kv
 from nnrun.request import FinishReason, Request, RequestStatus
 from nnrun.stop import StopChecker
 
@@ -167,12 +167,7 @@ class Scheduler:
         return True
 
     def _release_kv(self, req: Request) -> None:
-        self.allocator.free(req.page_ids)
-        req.page_ids = []
-        if req.req_pool_idx is not None:
-            self.req_to_token_pool.free(req.req_pool_idx)
-            req.req_pool_idx = None
-        req.num_computed_tokens = 0
+        release_kv(req, self.allocator, self.req_to_token_pool)
 
     # ---- after the step -------------------------------------------------------------------
     def process_batch_result(self, reqs: list[Request], next_token_ids: list[int],
