@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +66,9 @@ def _from_pretrained(path: str, model_config: ModelConfig, dtype: torch.dtype) -
 def _build_dummy(source: Any, model_config: ModelConfig, dtype: torch.dtype) -> tuple[PreTrainedModel, str, str | None]:
     """Random weights in the real shapes: for benchmarks of real architectures without downloads."""
     if isinstance(source, PretrainedConfig):
-        config, name, path = source, f"dummy-{source.model_type}", None
+        # A copy: the engine sets its attention implementation on the model's config, which must
+        # not leak into the caller's config object (and models they build from it later).
+        config, name, path = copy.deepcopy(source), f"dummy-{source.model_type}", None
     else:
         path = _resolve_path(str(source))
         try:

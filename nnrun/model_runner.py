@@ -181,6 +181,7 @@ class ModelRunner:
         return self.process_logits(logits, forward_batch)
 
     def run_model(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        self._ensure_paged_attention()
         backend = self.attention_backend_for(forward_batch)
         backend.init_forward_metadata(forward_batch)
         with forward_context(backend), self.grad_context(forward_batch):
@@ -191,6 +192,17 @@ class ModelRunner:
                 logits_to_keep=forward_batch.logits_indices.to(self.device),
             )
         return output.logits[0]
+
+    def _ensure_paged_attention(self) -> None:
+        """Someone switched the model's attention (a shared config, set_attn_implementation): switch back.
+
+        Any other implementation would attend across the packed requests' boundaries by position
+        heuristics at best, and ignore the KV cache at decode.
+        """
+        if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
+            logger.warning("the model's attention implementation was changed to %r outside nnrun; restoring %r",
+                           self.model.config._attn_implementation, ATTN_IMPLEMENTATION)
+            self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     def grad_context(self, forward_batch: ForwardBatch) -> AbstractContextManager:
         """Autograd is off for serving; subclasses turn it on for requests that ask for gradients."""

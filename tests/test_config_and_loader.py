@@ -116,3 +116,27 @@ def test_in_memory_model_stays_usable_as_plain_hf():
             want = oracle(batch, attention_mask=mask).logits
     assert torch.allclose(got[0], want[0], atol=1e-4)
     assert torch.allclose(got[1, 5:], want[1, 5:], atol=1e-4)  # padded positions are garbage in any HF backend
+
+
+def test_dummy_from_a_config_leaves_the_callers_config_alone():
+    """Regression: a shared config let a later HF model switch the engine's attention to plain sdpa."""
+    from nnrun.attention import ATTN_IMPLEMENTATION
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    with nnrun.LLM(config, load_format="dummy") as llm:
+        assert config._attn_implementation != ATTN_IMPLEMENTATION
+        LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
+        assert llm.model.config._attn_implementation == ATTN_IMPLEMENTATION
+
+
+def test_engine_restores_its_attention_if_the_user_switches_it():
+    model = make_model("llama")
+    oracle = make_twin(model)
+    prompt = random_prompts([30])[0]
+    with nnrun.LLM(model) as llm:
+        model.set_attn_implementation("sdpa")  # e.g. a user preparing the same model for plain HF
+        out = llm.generate([prompt], nnrun.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    ids = torch.tensor([prompt])
+    expected = oracle.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist()
