@@ -81,17 +81,20 @@ class FlashInferAttnBackend(AttentionBackend):
         self.metadata = _StepMetadata(out_cache_loc, plan.forward_mode, wrappers)
 
     def _plan_group(self, index: int, group: PlanGroup, plan: PagedKVPlan, kv_indices: torch.Tensor):
+        kernel_settings = dict(  # the group's kernel variant, the same for both wrapper kinds
+            pos_encoding_mode="NONE",  # HF has applied RoPE already
+            window_left=group.window_left,
+            logits_soft_cap=group.logits_soft_cap,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            sm_scale=group.sm_scale,
+        )
         if plan.forward_mode is ForwardMode.DECODE and group.has_decode_kernel:
             wrapper = self.decode_wrappers[index]
             wrapper.plan(
                 plan.kv_indptr, kv_indices, plan.kv_last_page_len,
                 group.num_qo_heads, group.num_kv_heads, group.head_dim, plan.page_size,
-                pos_encoding_mode="NONE",  # HF has applied RoPE already
-                window_left=group.window_left,
-                logits_soft_cap=group.logits_soft_cap,
-                q_data_type=self.dtype,
-                kv_data_type=self.dtype,
-                sm_scale=group.sm_scale,
+                **kernel_settings,
             )
             return wrapper
         wrapper = self.prefill_wrappers[index]
@@ -100,12 +103,7 @@ class FlashInferAttnBackend(AttentionBackend):
             group.num_qo_heads, group.num_kv_heads, group.head_dim, plan.page_size,
             head_dim_vo=group.v_head_dim,
             causal=True,  # bottom-right aligned: new token j sees the prefix and new tokens 0..j
-            pos_encoding_mode="NONE",
-            sm_scale=group.sm_scale,
-            window_left=group.window_left,
-            logits_soft_cap=group.logits_soft_cap,
-            q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            **kernel_settings,
         )
         return wrapper
 
