@@ -128,6 +128,26 @@ class KVPool:
         return sum(s.num_kv_heads * (s.head_dim + s.v_head_dim) for s in layer_shapes) * itemsize
 
 
+def hold_kv(req: "Request", num_tokens: int, allocator: TokenToKVPoolAllocator,
+            req_to_token_pool: ReqToTokenPool) -> bool:
+    """Give `req` a table row and pages for `num_tokens` tokens; False (nothing newly held) if they don't fit."""
+    if req.req_pool_idx is None:
+        row = req_to_token_pool.alloc()
+        if row is None:
+            return False
+        req.req_pool_idx = row
+    missing = allocator.pages_needed(num_tokens) - len(req.page_ids)
+    if missing > 0:
+        pages = allocator.alloc(missing)
+        if pages is None:
+            if not req.page_ids:
+                req_to_token_pool.free(req.req_pool_idx)
+                req.req_pool_idx = None
+            return False
+        req.page_ids.extend(pages)
+    return True
+
+
 def release_kv(req: "Request", allocator: TokenToKVPoolAllocator, req_to_token_pool: ReqToTokenPool) -> None:
     """Free a request's pages and table row; its cache is gone, so nothing counts as computed (safe twice)."""
     allocator.free(req.page_ids)

@@ -14,7 +14,7 @@ from nnrun.attention.selection import create_attention_backend
 from nnrun.config import EngineConfig
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.loader import load_model, max_context_len
-from nnrun.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator, release_kv
+from nnrun.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator, hold_kv, release_kv
 from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
 from nnrun.request import Request
 from nnrun.sampler import Sampler, SamplerOutput, SamplingRow
@@ -264,14 +264,8 @@ class ModelRunner:
     def _hold_kv(self, req: Request) -> None:
         if not 0 < req.num_tokens <= self.req_to_token_pool.max_context_len:
             raise ValueError(f"prompt of {req.num_tokens} tokens does not fit the KV pool / context")
-        pages = self.allocator.alloc(self.allocator.pages_needed(req.num_tokens))
-        row = self.req_to_token_pool.alloc()
-        if pages is None or row is None:
-            self.allocator.free(pages or [])
-            if row is not None:
-                self.req_to_token_pool.free(row)
+        if not hold_kv(req, req.num_tokens, self.allocator, self.req_to_token_pool):
             raise RuntimeError("the KV pool is full; pass fewer or shorter prompts per call")
-        req.page_ids, req.req_pool_idx = pages, row
 
     def release_kv(self, req: Request) -> None:
         """Free a request's pages and table row (safe to call twice)."""

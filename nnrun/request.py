@@ -64,11 +64,6 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def is_prefill(self) -> bool:
-        """True until the cache holds every token but the newest one."""
-        return self.num_computed_tokens < self.num_tokens - 1 or self.num_computed_tokens == 0
-
-    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from nnrun.config import SchedulerConfig
 from nnrun.forward_batch import ForwardMode
-from nnrun.memory import ReqToTokenPool, TokenToKVPoolAllocator, release_kv
+from nnrun.memory import ReqToTokenPool, TokenToKVPoolAllocator, hold_kv, release_kv
 from nnrun.request import FinishReason, Request, RequestStatus
 from nnrun.stop import StopChecker
 
@@ -149,22 +149,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _hold_kv(self, req: Request, num_tokens: int) -> bool:
-        """Make sure `req` has pages (and a table row) for `num_tokens` tokens."""
-        if req.req_pool_idx is None:
-            row = self.req_to_token_pool.alloc()
-            if row is None:
-                return False
-            req.req_pool_idx = row
-        missing = self.allocator.pages_needed(num_tokens) - len(req.page_ids)
-        if missing > 0:
-            pages = self.allocator.alloc(missing)
-            if pages is None:
-                if not req.page_ids:
-                    self.req_to_token_pool.free(req.req_pool_idx)
-                    req.req_pool_idx = None
-                return False
-            req.page_ids.extend(pages)
-        return True
+        return hold_kv(req, num_tokens, self.allocator, self.req_to_token_pool)
 
     def _release_kv(self, req: Request) -> None:
         release_kv(req, self.allocator, self.req_to_token_pool)
