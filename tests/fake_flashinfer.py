@@ -218,16 +218,9 @@ class BatchPrefillWithPagedKVCacheWrapper:
             lse_layout: str = "NH", enable_pdl: Optional[bool] = None, window_left: Optional[int] = None,
             sinks: PosTensor = None, kv_cache_sf=None, skip_softmax_threshold_scale_factor: Optional[float] = None,
             use_fp16_softmax: Optional[bool] = None, uses_spcompress: Optional[bool] = None) -> torch.Tensor:
-        if self._plan is None:
-            raise RuntimeError("plan() must be called before run()")
-        if args or return_lse or sinks is not None or any(s is not None for s in (q_scale, k_scale, v_scale)):
-            raise NotImplementedError("the emulator implements plain attention output only")
-        result = _attend(self._plan, q, paged_kv_cache, self.kv_layout, window_left)
-        self._info = {"plan": self._plan, "num_tokens": q.shape[0]}
-        if out is not None:
-            out.copy_(result)
-            return out
-        return result
+        return _run_planned(self, q, paged_kv_cache, out, window_left,
+                            unsupported=bool(args) or return_lse or sinks is not None
+                            or any(s is not None for s in (q_scale, k_scale, v_scale)))
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -276,18 +269,25 @@ class BatchDecodeWithPagedKVCacheWrapper:
             out: PosTensor = None, lse: PosTensor = None, return_lse: bool = False, enable_pdl: Optional[bool] = None,
             window_left: Optional[int] = None, sinks: PosTensor = None, q_len_per_req: Optional[int] = None,
             skip_softmax_threshold_scale_factor: Optional[float] = None, kv_cache_sf=None) -> torch.Tensor:
-        if self._plan is None:
-            raise RuntimeError("plan() must be called before run()")
-        if args or return_lse or sinks is not None or any(s is not None for s in (q_scale, k_scale, v_scale)):
-            raise NotImplementedError("the emulator implements plain attention output only")
         # The query is the last token of its request: no key lies after it, so no causal mask is needed.
-        result = _attend(self._plan, q, paged_kv_cache, self.kv_layout, window_left)
-        self._info = {"plan": self._plan, "num_tokens": q.shape[0]}
-        if out is not None:
-            out.copy_(result)
-            return out
-        return result
+        return _run_planned(self, q, paged_kv_cache, out, window_left,
+                            unsupported=bool(args) or return_lse or sinks is not None
+                            or any(s is not None for s in (q_scale, k_scale, v_scale)))
 
+
+
+def _run_planned(wrapper, q: torch.Tensor, paged_kv_cache, out, window_left, unsupported: bool) -> torch.Tensor:
+    """What both wrappers' run() do: attend with the planned arrays, recording the call."""
+    if wrapper._plan is None:
+        raise RuntimeError("plan() must be called before run()")
+    if unsupported:
+        raise NotImplementedError("the emulator implements plain attention output only")
+    result = _attend(wrapper._plan, q, paged_kv_cache, wrapper.kv_layout, window_left)
+    wrapper._info = {"plan": wrapper._plan, "num_tokens": q.shape[0]}
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
 
 def make_fake_flashinfer() -> types.ModuleType:
     """A fresh `flashinfer` stand-in whose wrappers record into its own `calls` list."""
