@@ -1,4 +1,4 @@
-"""Shared workload helpers for the benchmarks: a dummy-weight model of real shape and prompts."""
+"""Shared workload helpers for the benchmarks: dummy-weight models of real shapes, prompts, roofline arithmetic."""
 
 from __future__ import annotations
 
@@ -39,3 +39,59 @@ def timed(results: dict, name: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     results[name] = time.perf_counter() - start
+
+
+# Dense bf16/fp16 FLOP/s and HBM bytes/s, matched against torch.cuda.get_device_name; the H200 first.
+DEVICE_PEAKS = (("H200", 989e12, 4.8e12), ("H100 80GB HBM3", 989e12, 3.35e12), ("H100 NVL", 835e12, 3.9e12),
+                ("H100 PCIe", 756e12, 2.0e12))
+
+
+def shape_config(shape: str) -> LlamaConfig:
+    """LlamaConfig of a named shape: Llama-3.2-1B, Llama-3-8B, or a tiny one for CPU tests (no rope scaling)."""
+    llama3 = {"vocab_size": 128256, "num_attention_heads": 32, "num_key_value_heads": 8,
+              "max_position_embeddings": 4096}
+    shapes = {
+        "tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024,
+                 "tie_word_embeddings": True},
+        "1b": {**llama3, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "head_dim": 64,
+               "tie_word_embeddings": True},
+        "8b": {**llama3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "head_dim": 128,
+               "tie_word_embeddings": False},
+    }
+    return LlamaConfig(**shapes[shape])
+
+
+def device_peaks(device_name: str) -> tuple[float, float] | None:
+    """(dense bf16 FLOP/s, HBM bytes/s) of a known GPU, or None (unknown device, CPU)."""
+    return next(((flops, bandwidth) for key, flops, bandwidth in DEVICE_PEAKS if key in device_name), None)
+
+
+def non_embedding_params(config: LlamaConfig) -> int:
+    """Weights every token multiplies through: the decoder layers and final norm (Llama has no biases)."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_dim, kv_dim = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer = 2 * hidden * q_dim + 2 * hidden * kv_dim + 3 * hidden * config.intermediate_size + 2 * hidden
+    return config.num_hidden_layers * per_layer + hidden
+
+
+def prefill_flops(config: LlamaConfig, prompt_lens: list[int]) -> float:
+    """Forward FLOPs of a prefill keeping one logits row per prompt.
+
+    2 per weight per token; causal attention's QK^T and AV over L^2/2 pairs each; the LM head on
+    the kept rows only.
+    """
+    attn_dim = config.num_attention_heads * config.head_dim
+    attention = 2 * 2 * config.num_hidden_layers * attn_dim * sum(n * n / 2 for n in prompt_lens)
+    lm_head = 2 * config.vocab_size * config.hidden_size * len(prompt_lens)
+    return 2 * non_embedding_params(config) * sum(prompt_lens) + attention + lm_head
+
+
+def decode_step_bytes(config: LlamaConfig, itemsize: int, batch: int, context_len: float) -> float:
+    """Bytes one decode step reads at least: every weight once and each sequence's K and V over `context_len`.
+
+    The LM head is read whole; an untied input embedding is not (only B rows are gathered).
+    """
+    weights = non_embedding_params(config) + config.vocab_size * config.hidden_size
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * context_len * batch
+    return (weights + kv) * itemsize

@@ -90,7 +90,8 @@ class DeviceConfig:
     device: str = "cpu"
     dtype: str | torch.dtype | None = None
     attention_backend: str = "auto"  # "auto", "torch" or "flashinfer"
-    enable_cuda_graphs: bool = True
+    enable_cuda_graphs: bool = True  # decode steps with no hooks or interventions replay CUDA graphs
+    cuda_graph_batch_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 32, ... up to max_num_seqs (256 at most)
     torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +104,11 @@ class DeviceConfig:
             raise ValueError(
                 f"DeviceConfig.attention_backend must be 'auto', 'torch' or 'flashinfer', got {self.attention_backend!r}"
             )
+        if self.cuda_graph_batch_sizes is not None:
+            sizes = list(self.cuda_graph_batch_sizes)
+            if not sizes or not all(isinstance(n, int) and n > 0 for n in sizes):
+                raise ValueError(f"DeviceConfig.cuda_graph_batch_sizes must be positive integers, got {sizes!r}")
+            self.cuda_graph_batch_sizes = sorted(set(sizes))
         self.device = device
         self.torch_dtype = resolve_dtype(self.dtype, device)
 

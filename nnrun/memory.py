@@ -92,20 +92,29 @@ class LayerKVShape:
 
 
 class KVPool:
-    """Per-layer K and V pages, NHD layout `[num_pages, page_size, num_kv_heads, head_dim]`."""
+    """Per-layer K and V pages, NHD layout `[num_pages + 1, page_size, num_kv_heads, head_dim]`.
+
+    Pages `0..num_pages-1` are the allocator's. One more page, `trash_page`, is never handed out:
+    the padded rows of a replayed CUDA graph write their K/V there and attend over it.
+    """
 
     def __init__(self, layer_shapes: list[LayerKVShape], num_pages: int, page_size: int,
                  dtype: torch.dtype, device: torch.device) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
+        self.trash_page = num_pages
         self.k_pages = [
-            torch.zeros((num_pages, page_size, s.num_kv_heads, s.head_dim), dtype=dtype, device=device)
+            torch.zeros((num_pages + 1, page_size, s.num_kv_heads, s.head_dim), dtype=dtype, device=device)
             for s in layer_shapes
         ]
         self.v_pages = [
-            torch.zeros((num_pages, page_size, s.num_kv_heads, s.v_head_dim), dtype=dtype, device=device)
+            torch.zeros((num_pages + 1, page_size, s.num_kv_heads, s.v_head_dim), dtype=dtype, device=device)
             for s in layer_shapes
         ]
+
+    @property
+    def trash_slot(self) -> int:
+        return self.trash_page * self.page_size
 
     @property
     def num_layers(self) -> int:

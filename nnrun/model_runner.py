@@ -8,10 +8,12 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
+from torch.nn.modules import module as nn_module
 
 from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBackend, forward_context
 from nnrun.attention.selection import create_attention_backend
 from nnrun.config import EngineConfig
+from nnrun.cuda_graph import CudaGraphCapturer, DecodeGraphRunner, GraphCapturer, default_batch_sizes
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.loader import load_model, max_context_len
 from nnrun.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator, hold_kv, release_kv
@@ -55,6 +57,7 @@ class ModelRunner:
         self.dtype = self.config.device.torch_dtype
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.layers: list[AttentionLayerInfo] = probe_attention_layers(self.model, self.device)
+        self._modules = list(self.model.modules())  # checked for hooks before each graph replay
         model_len = max_context_len(self.model.config)
         self.max_model_len = min(self.config.model.max_model_len or model_len, model_len)
 
@@ -96,18 +99,51 @@ class ModelRunner:
             self._torch_backend = TorchAttnBackend(self.kv_pool, self.device)
         return self._torch_backend
 
-    def init_cuda_graphs(self) -> None:
-        """Decode CUDA graphs are a CUDA-only optimisation; every step runs eagerly elsewhere."""
+    def init_cuda_graphs(self, capturer: GraphCapturer | None = None) -> None:
+        """Capture decode graphs on CUDA when the backend can run in them and they are not disabled.
+
+        `capturer` stands in for CUDA's graph capture (the CPU tests pass a recording one).
+        """
+        self.graph_runner: DecodeGraphRunner | None = None
+        if not self.config.device.enable_cuda_graphs:
+            return
+        if capturer is None:
+            if self.device.type != "cuda":
+                return
+            capturer = CudaGraphCapturer(self.device)
+        if not self.attn_backend.supports_cuda_graphs:
+            logger.info("decode steps run eagerly: the %s attention backend cannot run in CUDA graphs",
+                        self.attn_backend.name)
+            return
+        sizes = self.config.device.cuda_graph_batch_sizes or default_batch_sizes(self.config.scheduler.max_num_seqs)
+        with self.step_lock:
+            self.graph_runner = DecodeGraphRunner(self, self.attn_backend, sizes, capturer)
 
     def can_use_cuda_graph(self, forward_batch: ForwardBatch) -> bool:
-        """Whether this step may replay a captured graph; subclasses with hooks in the step say no."""
-        return forward_batch.forward_mode is ForwardMode.DECODE
+        """Whether this step may replay a captured graph: a decode step nothing watches.
+
+        A replay runs no Python, so module hooks would silently not fire; subclasses with
+        interventions in the step say no as well.
+        """
+        return forward_batch.forward_mode is ForwardMode.DECODE and not self._has_module_hooks()
+
+    def _has_module_hooks(self) -> bool:
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return True
+        return any(module._forward_hooks or module._forward_pre_hooks for module in self._modules)
+
+    def _replays_graph(self, forward_batch: ForwardBatch) -> bool:
+        graphs = getattr(self, "graph_runner", None)
+        return (graphs is not None and self.can_use_cuda_graph(forward_batch)
+                and graphs.padded_batch_size(forward_batch.batch_size) is not None
+                and self.attention_backend_for(forward_batch) is graphs.backend)
 
     def attention_backend_for(self, forward_batch: ForwardBatch) -> AttentionBackend:
         """The backend that serves this step; subclasses may pick the torch one (e.g. for autograd)."""
         return self.attn_backend
 
     def shutdown(self) -> None:
+        self.graph_runner = None
         self.kv_pool = None
         self.attn_backend = None
 
@@ -182,6 +218,8 @@ class ModelRunner:
 
     def run_model(self, forward_batch: ForwardBatch) -> torch.Tensor:
         self._ensure_paged_attention()
+        if self._replays_graph(forward_batch):
+            return self.graph_runner.replay(forward_batch)  # [B, V]: a decode step keeps every row
         backend = self.attention_backend_for(forward_batch)
         backend.init_forward_metadata(forward_batch)
         with forward_context(backend), self.grad_context(forward_batch):

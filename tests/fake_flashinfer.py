@@ -15,12 +15,15 @@ differs from the planned one) and records every plan and run in `module.calls`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import types
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
+
+from fake_cuda_graph import launch_kernel
 
 PosTensor = Optional[torch.Tensor]
 KVCache = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
@@ -236,7 +239,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be NHD or HND, got {kv_layout!r}")
         if use_cuda_graph:
-            raise NotImplementedError("the emulator has no CUDA-graph mode")
+            buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+            if not all(torch.is_tensor(b) for b in buffers):
+                raise ValueError("the three paged_kv_*_buffer arguments must be tensors in cudagraph mode")
+            if len(paged_kv_indptr_buffer) != len(paged_kv_last_page_len_buffer) + 1:
+                raise ValueError("The size of paged_kv_indptr_buffer should be batch_size + 1")
+        self.use_cuda_graph = use_cuda_graph
+        self._buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         self.float_workspace_buffer = float_workspace_buffer
         self.kv_layout = kv_layout
         self.use_tensor_cores = use_tensor_cores
@@ -263,6 +272,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                 head_dim, page_size, False, pos_encoding_mode, sm_scale, window_left,
                                 logits_soft_cap, q_data_type or data_type, kv_data_type or data_type, o_data_type)
         self._info = {"plan": self._plan}
+        if self.use_cuda_graph:
+            indptr_buf, indices_buf, last_page_len_buf = self._buffers
+            if batch_size != len(last_page_len_buf):
+                raise ValueError(f"The batch size should be fixed during the lifecycle of the wrapper in cudagraph "
+                                 f"mode, the runtime batch size {batch_size} mismatches the batch size "
+                                 f"{len(last_page_len_buf)} set during initialization.")
+            if len(indices) > len(indices_buf):
+                raise ValueError("The size of indices should be less than or equal to the allocated buffer")
+            indptr_buf.copy_(indptr)
+            last_page_len_buf.copy_(last_page_len)
+            indices_buf[: len(indices)].copy_(indices)
 
     @_recorded
     def run(self, q: torch.Tensor, paged_kv_cache: KVCache, *args, q_scale=None, k_scale=None, v_scale=None,
@@ -270,10 +290,31 @@ class BatchDecodeWithPagedKVCacheWrapper:
             window_left: Optional[int] = None, sinks: PosTensor = None, q_len_per_req: Optional[int] = None,
             skip_softmax_threshold_scale_factor: Optional[float] = None, kv_cache_sf=None) -> torch.Tensor:
         # The query is the last token of its request: no key lies after it, so no causal mask is needed.
+        if self.use_cuda_graph:
+            return self._run_from_buffers(q, paged_kv_cache, out, window_left)
         return _run_planned(self, q, paged_kv_cache, out, window_left,
                             unsupported=bool(args) or return_lse or sinks is not None
                             or any(s is not None for s in (q_scale, k_scale, v_scale)))
 
+
+    def _run_from_buffers(self, q, paged_kv_cache, out, window_left) -> torch.Tensor:
+        """Graph mode: one kernel launch that reads the page tables from the fixed buffers when it runs."""
+        if self._plan is None:
+            raise RuntimeError("plan() must be called before run()")
+        planned = self._plan
+        out = out if out is not None else torch.empty(
+            (q.shape[0], planned.num_qo_heads, planned.head_dim_vo), dtype=planned.o_data_type, device=q.device)
+        indptr_buf, indices_buf, last_page_len_buf = self._buffers
+
+        def kernel() -> None:
+            current = dataclasses.replace(planned, kv_indptr=indptr_buf.cpu().long(),
+                                          kv_indices=indices_buf.cpu().long(),
+                                          kv_last_page_len=last_page_len_buf.cpu().long())
+            out.copy_(_attend(current, q, paged_kv_cache, self.kv_layout, window_left))
+
+        launch_kernel(kernel)
+        self._info = {"plan": planned, "num_tokens": q.shape[0]}
+        return out
 
 
 def _run_planned(wrapper, q: torch.Tensor, paged_kv_cache, out, window_left, unsupported: bool) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Sequence
 
 import torch
 
@@ -38,3 +39,25 @@ class AttentionBackend(ABC):
         softcap: float | None,
     ) -> torch.Tensor:  # [N, Hq, Dv]
         ...
+
+    # ---- CUDA graphs (decode steps only) ---------------------------------------------------
+    # A backend that can run inside a captured graph plans into buffers at fixed addresses: the
+    # graph runner allocates them once, captures one graph per padded batch size, and before each
+    # replay re-plans the step into the buffers that graph reads.
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return False
+
+    def init_cuda_graph_state(self, batch_sizes: Sequence[int]) -> None:
+        """Allocate the fixed buffers and per-size kernels of every graph, once, before capture."""
+        raise NotImplementedError(f"the {self.name} attention backend cannot run inside CUDA graphs")
+
+    def init_forward_metadata_capture(self, batch_size: int, out_cache_loc: torch.Tensor) -> None:
+        """Plan a decode step of `batch_size` padding requests, for capture; `out_cache_loc` is the graph's own."""
+        raise NotImplementedError(f"the {self.name} attention backend cannot run inside CUDA graphs")
+
+    def init_forward_metadata_replay(self, batch_size: int, forward_batch: ForwardBatch,
+                                     out_cache_loc: torch.Tensor) -> None:
+        """Plan `forward_batch` (a decode step, padded to `batch_size`) into the buffers its graph reads."""
+        raise NotImplementedError(f"the {self.name} attention backend cannot run inside CUDA graphs")

@@ -7,12 +7,13 @@ tests inject a torch emulator of the two wrappers under the name `flashinfer`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from nnrun.attention.base import AttentionBackend
 from nnrun.attention.flashinfer_plan import (
-    PagedKVPlan, PlanGroup, group_layers, layer_to_group_index, plan_forward_batch,
+    PagedKVPlan, PlanGroup, group_layers, layer_to_group_index, pad_decode_plan, plan_forward_batch,
 )
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.memory import KVPool
@@ -60,11 +61,11 @@ class FlashInferAttnBackend(AttentionBackend):
         ]
         self.decode_wrappers = [
             flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, kv_layout="NHD",
-                use_tensor_cores=group.num_qo_heads // group.num_kv_heads >= MIN_GQA_GROUP_FOR_TENSOR_CORES,
+                self.workspace, kv_layout="NHD", use_tensor_cores=_decode_uses_tensor_cores(group),
             ) if group.has_decode_kernel else None
             for group in self.groups
         ]
+        self.graph_decode_wrappers: dict[int, list] = {}  # per captured batch size, one wrapper per group
         self.metadata: _StepMetadata | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -81,7 +82,29 @@ class FlashInferAttnBackend(AttentionBackend):
         self.metadata = _StepMetadata(out_cache_loc, plan.forward_mode, wrappers)
 
     def _plan_group(self, index: int, group: PlanGroup, plan: PagedKVPlan, kv_indices: torch.Tensor):
-        kernel_settings = dict(  # the group's kernel variant, the same for both wrapper kinds
+        if plan.forward_mode is ForwardMode.DECODE and group.has_decode_kernel:
+            return self._plan_decode(self.decode_wrappers[index], group, plan, kv_indices)
+        wrapper = self.prefill_wrappers[index]
+        wrapper.plan(
+            plan.qo_indptr, plan.kv_indptr, kv_indices, plan.kv_last_page_len,
+            group.num_qo_heads, group.num_kv_heads, group.head_dim, plan.page_size,
+            head_dim_vo=group.v_head_dim,
+            causal=True,  # bottom-right aligned: new token j sees the prefix and new tokens 0..j
+            **self._kernel_settings(group),
+        )
+        return wrapper
+
+    def _plan_decode(self, wrapper, group: PlanGroup, plan: PagedKVPlan, kv_indices: torch.Tensor):
+        wrapper.plan(
+            plan.kv_indptr, kv_indices, plan.kv_last_page_len,
+            group.num_qo_heads, group.num_kv_heads, group.head_dim, plan.page_size,
+            **self._kernel_settings(group),
+        )
+        return wrapper
+
+    def _kernel_settings(self, group: PlanGroup) -> dict:
+        """The group's kernel variant, the same for both wrapper kinds."""
+        return dict(
             pos_encoding_mode="NONE",  # HF has applied RoPE already
             window_left=group.window_left,
             logits_soft_cap=group.logits_soft_cap,
@@ -89,23 +112,55 @@ class FlashInferAttnBackend(AttentionBackend):
             kv_data_type=self.dtype,
             sm_scale=group.sm_scale,
         )
-        if plan.forward_mode is ForwardMode.DECODE and group.has_decode_kernel:
-            wrapper = self.decode_wrappers[index]
-            wrapper.plan(
-                plan.kv_indptr, kv_indices, plan.kv_last_page_len,
-                group.num_qo_heads, group.num_kv_heads, group.head_dim, plan.page_size,
-                **kernel_settings,
-            )
-            return wrapper
-        wrapper = self.prefill_wrappers[index]
-        wrapper.plan(
-            plan.qo_indptr, plan.kv_indptr, kv_indices, plan.kv_last_page_len,
-            group.num_qo_heads, group.num_kv_heads, group.head_dim, plan.page_size,
-            head_dim_vo=group.v_head_dim,
-            causal=True,  # bottom-right aligned: new token j sees the prefix and new tokens 0..j
-            **kernel_settings,
-        )
-        return wrapper
+
+    # ---- CUDA graphs ------------------------------------------------------------------------
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        return all(group.has_decode_kernel for group in self.groups)
+
+    def init_cuda_graph_state(self, batch_sizes: Sequence[int]) -> None:
+        """One graph-mode decode wrapper per (batch size, group), all reading one set of page tables.
+
+        A graph-mode wrapper's batch size is frozen and its `plan()` copies the tables into the
+        buffers it was built with. Graphs replay one at a time, so every wrapper can share the same
+        buffers (sliced to its size); the page list holds every page plus one trash page per row.
+        """
+        import flashinfer
+
+        max_batch_size = max(batch_sizes)
+        self.graph_kv_indptr = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=self.device)
+        self.graph_kv_indices = torch.zeros(self.kv_pool.num_pages + max_batch_size, dtype=torch.int32,
+                                            device=self.device)
+        self.graph_kv_last_page_len = torch.ones(max_batch_size, dtype=torch.int32, device=self.device)
+        self.graph_decode_wrappers = {
+            batch_size: [
+                flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace, kv_layout="NHD", use_cuda_graph=True,
+                    use_tensor_cores=_decode_uses_tensor_cores(group),
+                    paged_kv_indptr_buffer=self.graph_kv_indptr[: batch_size + 1],
+                    paged_kv_indices_buffer=self.graph_kv_indices,
+                    paged_kv_last_page_len_buffer=self.graph_kv_last_page_len[:batch_size],
+                )
+                for group in self.groups
+            ]
+            for batch_size in batch_sizes
+        }
+
+    def init_forward_metadata_capture(self, batch_size: int, out_cache_loc: torch.Tensor) -> None:
+        no_requests = PagedKVPlan(ForwardMode.DECODE, self.kv_pool.page_size,
+                                  *(torch.zeros(n, dtype=torch.int32) for n in (1, 1, 0, 0)))
+        self._plan_graph(batch_size, pad_decode_plan(no_requests, batch_size, self.kv_pool.trash_page), out_cache_loc)
+
+    def init_forward_metadata_replay(self, batch_size: int, forward_batch: ForwardBatch,
+                                     out_cache_loc: torch.Tensor) -> None:
+        plan = plan_forward_batch(forward_batch, self.kv_pool.page_size)
+        self._plan_graph(batch_size, pad_decode_plan(plan, batch_size, self.kv_pool.trash_page), out_cache_loc)
+
+    def _plan_graph(self, batch_size: int, plan: PagedKVPlan, out_cache_loc: torch.Tensor) -> None:
+        kv_indices = plan.kv_indices.to(self.device, non_blocking=True)  # [pages used + padding rows] int32
+        wrappers = [self._plan_decode(wrapper, group, plan, kv_indices)
+                    for wrapper, group in zip(self.graph_decode_wrappers[batch_size], self.groups)]
+        self.metadata = _StepMetadata(out_cache_loc, ForwardMode.DECODE, wrappers)
 
     def forward(self, layer_idx, q, k, v, scaling, sliding_window, softcap):
         meta = self.metadata
@@ -127,3 +182,7 @@ class FlashInferAttnBackend(AttentionBackend):
                 f"layer {layer_idx} attends with scaling={scaling}, sliding_window={sliding_window}, "
                 f"softcap={softcap}, but the load-time probe planned {planned}"
             )
+
+
+def _decode_uses_tensor_cores(group: PlanGroup) -> bool:
+    return group.num_qo_heads // group.num_kv_heads >= MIN_GQA_GROUP_FOR_TENSOR_CORES

@@ -153,3 +153,26 @@ def plan_forward_batch(forward_batch: ForwardBatch, page_size: int) -> PagedKVPl
     elif plan.forward_mode is not ForwardMode.DECODE:
         raise ValueError("a DECODE step must bring exactly one new token per request after a cached prefix")
     return plan
+
+
+def pad_decode_plan(plan: PagedKVPlan, batch_size: int, trash_page: int) -> PagedKVPlan:
+    """`plan` grown to `batch_size` requests for a captured CUDA graph of that size.
+
+    Each padding request decodes one token over a single token of `trash_page` (a page the
+    allocator never hands out), so the graph's fixed-size kernels run on valid indices and the
+    padded rows can neither read nor write a real request's KV.
+    """
+    if plan.forward_mode is not ForwardMode.DECODE:
+        raise ValueError("only decode steps are padded for CUDA graphs")
+    num_pad = batch_size - plan.batch_size
+    if num_pad < 0:
+        raise ValueError(f"cannot pad a batch of {plan.batch_size} requests down to {batch_size}")
+    ones = torch.ones(num_pad, dtype=torch.int32)  # [P]
+    return PagedKVPlan(
+        forward_mode=ForwardMode.DECODE,
+        page_size=plan.page_size,
+        qo_indptr=torch.cat([plan.qo_indptr, plan.qo_indptr[-1] + ones.cumsum(0, dtype=torch.int32)]),  # [bs+1]
+        kv_indptr=torch.cat([plan.kv_indptr, plan.kv_indptr[-1] + ones.cumsum(0, dtype=torch.int32)]),  # [bs+1]
+        kv_indices=torch.cat([plan.kv_indices, torch.full((num_pad,), trash_page, dtype=torch.int32)]),
+        kv_last_page_len=torch.cat([plan.kv_last_page_len, ones]),  # [bs]
+    )

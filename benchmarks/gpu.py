@@ -1,0 +1,307 @@
+"""GPU throughput of the engine against plain HF transformers, dummy weights in real Llama shapes.
+
+Shapes: `1b` (Llama-3.2-1B), `8b` (Llama-3-8B), `tiny` (a CPU smoke test). One markdown table per section:
+
+  prefill  B prompts of --prompt-len tokens: nnrun `generate(max_tokens=1, temperature=0)` vs HF
+           padded batches (`logits_to_keep=1`, no cache). Prompt tokens/s; MFU of nnrun.
+  decode   B prompts of --decode-prompt-len tokens, N = --new-tokens greedy tokens each (EOS ignored):
+           nnrun `generate` vs HF `generate`. Decode tok/s = B*(N-1) / (T(N) - T(1)), T(n) being a
+           whole call with n new tokens, so prefill and the first token are left out. MBU of nnrun.
+  extract  M prompts of 16..--prompt-len tokens: `nnrun.extract` of the middle layer (shards on disk)
+           vs HF padded batches + a forward hook copying each prompt's rows to the host (HF runs the
+           whole model; extraction stops after the layer). Prompt tokens/s.
+
+The engine is given the HF module itself, so one copy of the weights serves both; HF baselines
+switch its attention to stock sdpa and back. Every contender first runs untimed on the same shapes
+(FlashInfer compiles its kernels on first use); timings are wall clock, CUDA synchronized, best of
+--repeats. Ratios are nnrun / HF. Run one section per command on a GPU, e.g.
+
+    python benchmarks/gpu.py --shape 8b --only decode --out decode-8b.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+import nnrun
+from common import decode_step_bytes, device_peaks, left_padded, prefill_flops, random_prompts, shape_config
+from nnrun.config import resolve_dtype
+
+SECTIONS = ("prefill", "decode", "extract")
+GPU_DEFAULTS = {"batches": "1,16,64,256", "prompt_len": 512, "decode_prompt_len": 128, "new_tokens": 128,
+                "extract_prompts": 10000}
+CPU_DEFAULTS = {"batches": "1,4", "prompt_len": 64, "decode_prompt_len": 16, "new_tokens": 8, "extract_prompts": 64}
+TABLE_COLUMNS = {"prefill": ("batch", "prompt tok/s", "MFU"), "decode": ("batch", "decode tok/s", "MBU"),
+                 "extract": ("prompts", "prompt tok/s", None)}  # (first column, unit, nnrun's utilization)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def best_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Best wall time of `repeats` calls; the caller has warmed `run`'s shapes up already."""
+    best = math.inf
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        run()
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@contextmanager
+def stock_sdpa(model: torch.nn.Module) -> Iterator[None]:
+    """Run HF baselines on plain sdpa, then give the engine its own attention back."""
+    engine_attention = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(engine_attention)
+
+
+def in_chunks(prompts: list[list[int]], size: int) -> Iterator[list[list[int]]]:
+    return (prompts[first : first + size] for first in range(0, len(prompts), size))
+
+
+@torch.no_grad()
+def hf_prefill(model: torch.nn.Module, prompts: list[list[int]], chunk: int) -> None:
+    for batch in in_chunks(prompts, chunk):
+        ids, mask = left_padded(batch)
+        model(ids.to(model.device), attention_mask=mask.to(model.device), use_cache=False, logits_to_keep=1)
+
+
+@torch.no_grad()
+def hf_generate(model: torch.nn.Module, prompts: list[list[int]], chunk: int, new_tokens: int) -> None:
+    for batch in in_chunks(prompts, chunk):
+        ids, mask = left_padded(batch)
+        model.generate(ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False,
+                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+
+
+@torch.no_grad()
+def hf_extract(model: torch.nn.Module, prompts: list[list[int]], module: str, chunk: int) -> None:
+    """Padded batches; a forward hook copies each prompt's own rows of `module`'s output to the host."""
+    lengths: list[int] = []
+
+    def copy_rows(mod: torch.nn.Module, args: tuple, output: object) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output  # [B, T_max, H]
+        for row, n in enumerate(lengths):
+            hidden[row, hidden.shape[1] - n :].to("cpu", copy=True)
+
+    handle = model.get_submodule(module).register_forward_hook(copy_rows)
+    try:
+        for batch in in_chunks(prompts, chunk):
+            lengths[:] = map(len, batch)
+            ids, mask = left_padded(batch)
+            model(ids.to(model.device), attention_mask=mask.to(model.device), use_cache=False, logits_to_keep=1)
+    finally:
+        handle.remove()
+
+
+def nnrun_extract(llm: nnrun.LLM, prompts: list[list[int]], module: str) -> None:
+    out_dir = tempfile.mkdtemp(prefix="nnrun-gpu-bench-")
+    try:
+        nnrun.extract(llm, prompts, [module], out_dir, progress=False)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def run_prefill(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, float] | None) -> list[dict]:
+    rows = []
+    for batch in args.batches:
+        prompts = random_prompts(batch, args.prompt_len, args.prompt_len, llm.vocab_size, seed=batch)
+        llm.generate(prompts, nnrun.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm-up
+        once = nnrun.SamplingParams(max_tokens=1, temperature=0)
+        seconds = best_seconds(lambda: llm.generate(prompts, once), args.device, args.repeats)
+        hf_seconds = None
+        if not args.skip_hf:
+            with stock_sdpa(llm.model):
+                hf_prefill(llm.model, prompts, args.hf_max_batch)  # warm-up
+                hf_seconds = best_seconds(lambda: hf_prefill(llm.model, prompts, args.hf_max_batch),
+                                          args.device, args.repeats)
+        flops = prefill_flops(llm.model.config, [len(p) for p in prompts])
+        rows.append(result_row(batch, batch * args.prompt_len, seconds, hf_seconds,
+                               flops / seconds / peaks[0] if peaks else None))
+    return rows
+
+
+def decode_seconds(generate: Callable[[int], object], device: torch.device, repeats: int, new_tokens: int) -> float:
+    """T(N) - T(1) for `generate(n)` making n new tokens: N-1 decode steps, without prefill and first token."""
+    first = best_seconds(lambda: generate(1), device, repeats)
+    return best_seconds(lambda: generate(new_tokens), device, repeats) - first
+
+
+def run_decode(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, float] | None) -> list[dict]:
+    rows, n = [], args.new_tokens
+    for batch in args.batches:
+        prompts = random_prompts(batch, args.decode_prompt_len, args.decode_prompt_len, llm.vocab_size, seed=batch)
+
+        def nnrun_generate(k: int) -> None:
+            llm.generate(prompts, nnrun.SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
+
+        def hf_generate_all(k: int) -> None:
+            hf_generate(llm.model, prompts, args.hf_max_batch, k)
+
+        nnrun_generate(2)  # warm-up: this batch's prefill and decode shapes
+        seconds = decode_seconds(nnrun_generate, args.device, args.repeats, n)
+        hf_seconds = None
+        if not args.skip_hf:
+            with stock_sdpa(llm.model):
+                hf_generate_all(2)  # warm-up
+                hf_seconds = decode_seconds(hf_generate_all, args.device, args.repeats, n)
+        context_len = args.decode_prompt_len + n / 2  # the mean over the N-1 timed steps
+        step_bytes = decode_step_bytes(llm.model.config, llm.model.dtype.itemsize, batch, context_len)
+        mbu = step_bytes * (n - 1) / seconds / peaks[1] if peaks else None
+        rows.append(result_row(batch, batch * (n - 1), seconds, hf_seconds, mbu))
+    return rows
+
+
+def run_extract(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, float] | None) -> list[dict]:
+    module = f"model.layers.{llm.model.config.num_hidden_layers // 2}"
+    prompts = random_prompts(args.extract_prompts, min(16, args.prompt_len), args.prompt_len, llm.vocab_size)
+    nnrun_extract(llm, prompts[:64], module)  # warm-up
+    seconds = best_seconds(lambda: nnrun_extract(llm, prompts, module), args.device, args.repeats)
+    hf_seconds = None
+    if not args.skip_hf:
+        with stock_sdpa(llm.model):
+            hf_extract(llm.model, prompts[: args.hf_extract_batch], module, args.hf_extract_batch)  # warm-up
+            hf_seconds = best_seconds(lambda: hf_extract(llm.model, prompts, module, args.hf_extract_batch),
+                                      args.device, args.repeats)
+    print(f"extract: {module} of {llm.model.config.num_hidden_layers} layers to disk; HF: padded batches of "
+          f"{args.hf_extract_batch}, whole model")
+    return [result_row(len(prompts), sum(map(len, prompts)), seconds, hf_seconds, None)]
+
+
+def result_row(size: int, tokens: int, seconds: float, hf_seconds: float | None, utilization: float | None) -> dict:
+    """One table row: nnrun and HF tokens/s over the same `tokens`, their ratio, nnrun's MFU or MBU."""
+    row = {"size": size, "tokens": tokens, "nnrun_tok_s": tokens / seconds, "hf_tok_s": None, "ratio": None,
+           "utilization": utilization}
+    if hf_seconds is not None:
+        row["hf_tok_s"] = tokens / hf_seconds
+        row["ratio"] = hf_seconds / seconds
+    return row
+
+
+def print_table(section: str, rows: list[dict]) -> None:
+    size, unit, metric = TABLE_COLUMNS[section]
+    header = [size, "tokens", f"nnrun {unit}", f"HF {unit}", "ratio"] + ([metric] if metric else [])
+    print(f"\n## {section}\n\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in rows:
+        cells = [str(row["size"]), str(row["tokens"]), f"{row['nnrun_tok_s']:.0f}",
+                 "-" if row["hf_tok_s"] is None else f"{row['hf_tok_s']:.0f}",
+                 "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"]
+        if metric:
+            cells.append("n/a" if row["utilization"] is None else f"{row['utilization']:.1%}")
+        print("| " + " | ".join(cells) + " |")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=("tiny", "1b", "8b"), default="1b")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--batches", default=None, help="comma list (default 1,16,64,256 on CUDA)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="prefill prompt length; longest extract prompt")
+    parser.add_argument("--decode-prompt-len", type=int, default=None)
+    parser.add_argument("--new-tokens", type=int, default=None, help="decode tokens per prompt (>= 2)")
+    parser.add_argument("--extract-prompts", type=int, default=None)
+    parser.add_argument("--only", action="append", default=None, help="prefill, decode, extract (repeat or comma list)")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--hf-max-batch", type=int, default=256, help="prompts per HF call in prefill and decode")
+    parser.add_argument("--hf-extract-batch", type=int, default=32, help="prompts per HF padded batch in extract")
+    parser.add_argument("--batch-tokens", type=int, default=16384, help="engine max_num_batched_tokens")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="share of free memory for KV")
+    parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"))
+    parser.add_argument("--enable-cuda-graphs", dest="cuda_graphs", action="store_true", default=True)
+    parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
+    parser.add_argument("--repeats", type=int, default=1, help="timed calls per measurement; the best counts")
+    parser.add_argument("--out", default=None, help="also write the results to this JSON file")
+    args = parser.parse_args()
+    defaults = GPU_DEFAULTS if args.device.startswith("cuda") else CPU_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.batches = [int(b) for b in str(args.batches).split(",")]
+    args.only = [s for item in (args.only or SECTIONS) for s in item.split(",") if s]
+    if unknown := set(args.only) - set(SECTIONS):
+        parser.error(f"--only takes {', '.join(SECTIONS)}; got {', '.join(sorted(unknown))}")
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2 (decode time is T(N) - T(1))")
+    args.device = torch.device(args.device)
+    return args
+
+
+def build_engine(args: argparse.Namespace) -> nnrun.LLM:
+    """Random weights built on the device itself (an 8B model in fp32 on the host would take minutes)."""
+    dtype = resolve_dtype(args.dtype, str(args.device))
+    torch.manual_seed(0)
+    with args.device:
+        model = AutoModelForCausalLM.from_config(shape_config(args.shape), attn_implementation="sdpa", dtype=dtype)
+    return nnrun.LLM(model.eval(), device=str(args.device), dtype=dtype, max_num_seqs=max(args.batches),
+                     max_num_batched_tokens=args.batch_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
+                     enable_cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend)
+
+
+def describe_machine(llm: nnrun.LLM, args: argparse.Namespace) -> dict:
+    """Device, versions and the engine's choices, printed and kept in the JSON report."""
+    is_cuda = args.device.type == "cuda"
+    device_name = torch.cuda.get_device_name(args.device) if is_cuda else f"cpu ({platform.machine()})"
+    params = sum(p.numel() for p in llm.model.parameters())
+    machine = {"device": device_name, "torch": torch.__version__, "transformers": transformers.__version__,
+               "attention_backend": llm.runner.attn_backend.name, "cuda_graphs_requested": args.cuda_graphs,
+               "dtype": str(llm.model.dtype), "params": params, "kv_pool_tokens": llm.runner.max_total_tokens,
+               "command": "python " + shlex.join(sys.argv)}
+    print(f"device: {device_name}; torch {torch.__version__}; transformers {transformers.__version__}; "
+          f"attention backend {machine['attention_backend']}; cuda graphs requested {args.cuda_graphs}")
+    print(f"model: dummy Llama {args.shape}, {params / 1e6:.1f}M params, {llm.model.dtype}; "
+          f"KV pool {machine['kv_pool_tokens']} tokens")
+    print(f"command: {machine['command']}")
+    return machine
+
+
+def main() -> None:
+    sys.stdout.reconfigure(line_buffering=True)  # a run killed at its time limit still shows finished tables
+    args = parse_args()
+    start = time.perf_counter()
+    llm = build_engine(args)
+    report = {"machine": describe_machine(llm, args), "sections": {}, "elapsed_s": {}}
+    is_half = llm.model.dtype in (torch.bfloat16, torch.float16)
+    peaks = device_peaks(report["machine"]["device"]) if args.device.type == "cuda" and is_half else None
+    print(f"peaks (FLOP/s, bytes/s): {peaks or 'n/a'}; engine built in {time.perf_counter() - start:.1f} s")
+    runners = {"prefill": run_prefill, "decode": run_decode, "extract": run_extract}
+    for section in args.only:
+        start = time.perf_counter()
+        report["sections"][section] = runners[section](llm, args, peaks)
+        report["elapsed_s"][section] = time.perf_counter() - start
+        print_table(section, report["sections"][section])
+        print(f"\n{section} took {report['elapsed_s'][section]:.1f} s (warm-ups included)")
+        if args.out:  # after every section, so a run cut short keeps what it measured
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=2)
+        gc.collect()
+        if args.device.type == "cuda":
+            torch.cuda.empty_cache()  # HF's activations of this section must not crowd the next one
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

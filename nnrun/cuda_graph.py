@@ -1,0 +1,134 @@
+"""CUDA graphs for decode steps: one graph per padded batch size, replayed when nothing watches the step.
+
+A decode step of a few dozen requests spends most of its time launching kernels: hundreds per
+layer stack, each a few microseconds of host work. Capturing the whole forward once per batch
+size and replaying it removes that host cost. A graph replays kernels on fixed addresses, so the
+step's inputs are copied into static buffers, a batch is padded up to the next captured size
+(padding rows decode over the KV pool's trash page), and the attention backend re-plans its page
+tables into buffers the graph reads. Python does not run during a replay: no module hooks, no
+nnsight interventions and no autograd, so the runner replays only steps that have none of them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+
+import torch
+
+from nnrun.attention import AttentionBackend, forward_context
+from nnrun.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from nnrun.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def default_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to 256 (sglang's spacing), capped at `max_num_seqs`.
+
+    A step pads to the next size, so the spacing bounds the wasted rows at 16 (or 2x below 16).
+    """
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
+    capped = [size for size in sizes if size < max_num_seqs]
+    return capped + [min(max_num_seqs, 256)]
+
+
+class GraphCapturer(Protocol):
+    """Records `fn` as a graph: returns a replay function and what `fn` returned while recorded."""
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]: ...
+
+
+class CudaGraphCapturer:
+    """torch.cuda graphs sharing one memory pool (captured largest first, so smaller graphs reuse it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+        # Warm up on a side stream first: lazy initialisations (cuBLAS handles, workspace
+        # allocations, FlashInfer's first plan) must not happen while capturing.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = fn()
+        return graph.replay, output
+
+
+class DecodeGraphRunner:
+    """Captured decode forwards for `batch_sizes`, and their replay on a real decode step."""
+
+    def __init__(self, runner: ModelRunner, backend: AttentionBackend, batch_sizes: Sequence[int],
+                 capturer: GraphCapturer) -> None:
+        if not batch_sizes or min(batch_sizes) <= 0:
+            raise ValueError(f"CUDA graph batch sizes must be positive, got {list(batch_sizes)}")
+        self.runner = runner
+        self.backend = backend
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.trash_slot = runner.kv_pool.trash_slot
+        max_batch_size = self.batch_sizes[-1]
+        device = runner.device
+        self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)  # [max_bs]
+        self.positions = torch.zeros(max_batch_size, dtype=torch.int64, device=device)  # [max_bs]
+        self.out_cache_loc = torch.full((max_batch_size,), self.trash_slot, dtype=torch.int64, device=device)
+        self.replays: dict[int, Callable[[], None]] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # per size, the [bs, V] logits its replay writes
+        backend.init_cuda_graph_state(self.batch_sizes)
+        for batch_size in reversed(self.batch_sizes):
+            # Planning copies page tables from the host: it runs before capture, never inside it.
+            backend.init_forward_metadata_capture(batch_size, self.out_cache_loc[:batch_size])
+            self.replays[batch_size], self.logits[batch_size] = capturer.capture(self._forward_fn(batch_size))
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    def _forward_fn(self, batch_size: int) -> Callable[[], torch.Tensor]:
+        """One decode forward over the static buffers' first `batch_size` rows (all padding at capture)."""
+
+        def forward() -> torch.Tensor:
+            with forward_context(self.backend), torch.no_grad():
+                output = self.runner.model(
+                    input_ids=self.input_ids[:batch_size][None],
+                    position_ids=self.positions[:batch_size][None],
+                    use_cache=False,
+                    logits_to_keep=0,  # every row is some request's next token
+                )
+            return output.logits[0]  # [bs, V]
+
+        return forward
+
+    def padded_batch_size(self, batch_size: int) -> int | None:
+        """The smallest captured size that holds `batch_size` rows; None above the largest."""
+        index = bisect.bisect_left(self.batch_sizes, batch_size)
+        return self.batch_sizes[index] if index < len(self.batch_sizes) else None
+
+    def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """The step's `[B, V]` next-token logits, from the graph of the next captured size.
+
+        The returned rows are a view of the graph's output, rewritten by its next replay.
+        """
+        batch_size = forward_batch.batch_size
+        graph_size = self.padded_batch_size(batch_size)
+        if graph_size is None:
+            raise ValueError(f"no CUDA graph holds a batch of {batch_size} (largest: {self.max_batch_size})")
+        self.input_ids[:batch_size].copy_(forward_batch.input_ids, non_blocking=True)
+        self.positions[:batch_size].copy_(forward_batch.positions, non_blocking=True)
+        self.out_cache_loc[:batch_size].copy_(forward_batch.out_cache_loc, non_blocking=True)
+        # Rows a larger earlier batch filled would write into live requests' KV: point them at the trash.
+        self.input_ids[batch_size:graph_size].zero_()
+        self.positions[batch_size:graph_size].zero_()
+        self.out_cache_loc[batch_size:graph_size].fill_(self.trash_slot)
+        self.backend.init_forward_metadata_replay(graph_size, forward_batch, self.out_cache_loc[:graph_size])
+        self.replays[graph_size]()
+        return self.logits[graph_size][:batch_size]
