@@ -50,13 +50,9 @@ TABLE_COLUMNS = {"prefill": ("batch", "prompt tok/s", "MFU"), "decode": ("batch"
                  "extract": ("prompts", "prompt tok/s", None)}  # (first column, unit, nnrun's utilization)
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def best_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Best wall time of `repeats` calls; the caller has warmed `run`'s shapes up already."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
     best = math.inf
     for _ in range(repeats):
         sync(device)
@@ -229,7 +225,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hf-max-batch", type=int, default=256, help="prompts per HF call in prefill and decode")
     parser.add_argument("--hf-extract-batch", type=int, default=32, help="prompts per HF padded batch in extract")
     parser.add_argument("--batch-tokens", type=int, default=16384, help="engine max_num_batched_tokens")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="share of free memory for KV")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                        help="share of the GPU the engine may fill (vLLM's meaning); the rest is the HF baselines'")
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"))
     parser.add_argument("--enable-cuda-graphs", dest="cuda_graphs", action="store_true", default=True)
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
@@ -266,12 +263,15 @@ def describe_machine(llm: nnrun.LLM, args: argparse.Namespace) -> dict:
     is_cuda = args.device.type == "cuda"
     device_name = torch.cuda.get_device_name(args.device) if is_cuda else f"cpu ({platform.machine()})"
     params = sum(p.numel() for p in llm.model.parameters())
+    graphs = getattr(llm.runner, "graph_runner", None)
     machine = {"device": device_name, "torch": torch.__version__, "transformers": transformers.__version__,
                "attention_backend": llm.runner.attn_backend.name, "cuda_graphs_requested": args.cuda_graphs,
+               "cuda_graph_batch_sizes": graphs.batch_sizes if graphs is not None else None,
                "dtype": str(llm.model.dtype), "params": params, "kv_pool_tokens": llm.runner.max_total_tokens,
                "command": "python " + shlex.join(sys.argv)}
     print(f"device: {device_name}; torch {torch.__version__}; transformers {transformers.__version__}; "
-          f"attention backend {machine['attention_backend']}; cuda graphs requested {args.cuda_graphs}")
+          f"attention backend {machine['attention_backend']}; decode CUDA graphs captured for batch sizes "
+          f"{machine['cuda_graph_batch_sizes'] or 'none'} (requested: {args.cuda_graphs})")
     print(f"model: dummy Llama {args.shape}, {params / 1e6:.1f}M params, {llm.model.dtype}; "
           f"KV pool {machine['kv_pool_tokens']} tokens")
     print(f"command: {machine['command']}")
@@ -286,7 +286,8 @@ def main() -> None:
     report = {"machine": describe_machine(llm, args), "sections": {}, "elapsed_s": {}}
     is_half = llm.model.dtype in (torch.bfloat16, torch.float16)
     peaks = device_peaks(report["machine"]["device"]) if args.device.type == "cuda" and is_half else None
-    print(f"peaks (FLOP/s, bytes/s): {peaks or 'n/a'}; engine built in {time.perf_counter() - start:.1f} s")
+    print(f"peaks (FLOP/s, bytes/s): {peaks or 'n/a'}; engine built in {time.perf_counter() - start:.1f} s "
+          "(KV sizing and graph capture run steps: FlashInfer may compile here)")
     runners = {"prefill": run_prefill, "decode": run_decode, "extract": run_extract}
     for section in args.only:
         start = time.perf_counter()

@@ -223,3 +223,69 @@ def test_backend_matches_torch_backend_and_plans_once_per_group_per_step():
             assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), (step_index, layer.layer_idx)
     assert counts["plan"] == len(flashinfer_backend.groups) * len(steps)
     assert counts["run"] == len(_LAYERS) * len(steps)
+
+
+# ---- decode CUDA graphs and KV sizing --------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_graph_replay_equals_eager_and_matches_hf(family):
+    """Requests of different lengths shrink the decode batch through several captured sizes."""
+    prompts = random_prompts([3, 17, 9, 1, 30, 12, 44, 5, 21], seed=13)
+    params = [nnrun.SamplingParams(max_tokens=n, temperature=0, logprobs=0, ignore_eos=True)
+              for n in (2, 9, 4, 7, 12, 5, 16, 3, 10)]
+    model = gpu_model(family, torch.bfloat16)
+    twin = fp32_twin(model)
+    outputs = {}
+    for graphs in (False, True):
+        with engine(copy.deepcopy(model), "flashinfer", torch.bfloat16, page_size=16, enable_cuda_graphs=graphs,
+                    cuda_graph_batch_sizes=[1, 2, 4, 8, 16]) as llm:
+            assert (llm.runner.graph_runner is not None) == graphs
+            replays = _count_replays(llm)
+            outputs[graphs] = llm.generate(prompts, params)
+            assert (replays["count"] == max(p.max_tokens for p in params) - 1) == graphs
+    assert_matches_oracle(twin, prompts, outputs[True], TOL[torch.bfloat16])
+    for eager, replayed in zip(outputs[False], outputs[True]):
+        # the same kernels on the same inputs; FlashInfer may split the KV differently in graph mode
+        assert replayed.outputs[0].token_ids == eager.outputs[0].token_ids
+        for want, got, token in zip(eager.outputs[0].logprobs, replayed.outputs[0].logprobs,
+                                    replayed.outputs[0].token_ids):
+            assert abs(got[token] - want[token]) < TOL[torch.bfloat16]
+
+
+def _count_replays(llm: nnrun.LLM) -> dict:
+    counts = {"count": 0}
+    graphs = llm.runner.graph_runner
+    if graphs is not None:
+        replay = graphs.replay
+
+        def counting(forward_batch):
+            counts["count"] += 1
+            return replay(forward_batch)
+
+        graphs.replay = counting
+    return counts
+
+
+def test_decode_steps_run_in_graphs_by_default_on_cuda():
+    with engine(gpu_model("llama", torch.bfloat16), "flashinfer", torch.bfloat16, max_num_seqs=32) as llm:
+        assert llm.runner.graph_runner.batch_sizes == [1, 2, 4, 8, 16, 32]
+        replays = _count_replays(llm)
+        llm.generate(random_prompts([5, 9]), nnrun.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        assert replays["count"] == 3
+
+
+def test_kv_pool_fills_the_engines_share_of_the_card():
+    """gpu_memory_utilization=0.3: after start-up the card is ~30% used (the profiled activations are
+    freed again; the attention workspace and graphs come on top), and the pool got the rest of it."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8, head_dim=128, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval().to(torch.bfloat16)  # 32 KiB of KV per token
+    total = torch.cuda.mem_get_info()[1]
+    with engine(model, "flashinfer", torch.bfloat16, gpu_memory_utilization=0.3, max_num_seqs=4096) as llm:
+        in_use = total - torch.cuda.mem_get_info()[0]
+        pool = llm.runner.kv_pool
+        pool_bytes = sum(t.numel() * t.element_size() for t in pool.k_pages + pool.v_pages)
+        assert abs(in_use - 0.3 * total) < 3 * (1 << 30), (in_use / total)
+        assert pool_bytes > 0.3 * total - 6 * (1 << 30), pool_bytes / total
+        outputs = llm.generate(random_prompts([5, 9]), nnrun.SamplingParams(max_tokens=3, temperature=0))
+        assert all(len(o.outputs[0].token_ids) == 3 for o in outputs)
