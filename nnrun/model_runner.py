@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch.nn.modules import module as nn_module
@@ -129,15 +130,9 @@ class ModelRunner:
 
     def run_dummy_step(self, prompt_lengths: list[int]) -> None:
         """One plain prefill step (forward and sampling) of dummy prompts; their KV is freed after."""
-        reqs = [Request(f"dummy-{i}", [0] * n, _PREFILL_PARAMS) for i, n in enumerate(prompt_lengths)]
-        try:
-            for req in reqs:
-                self._hold_kv(req)
+        with self._transient_requests([[0] * n for n in prompt_lengths]) as reqs:
             forward_batch = self._prepare_forward_batch(reqs, ForwardMode.EXTEND)
             self.sample(ModelRunner.forward(self, forward_batch), forward_batch)
-        finally:
-            for req in reqs:
-                self.release_kv(req)
 
     def init_attention_backend(self) -> None:
         self.attn_backend: AttentionBackend = create_attention_backend(
@@ -338,20 +333,25 @@ class ModelRunner:
         Module hooks registered by the caller see the flat `[1, N, ...]` values; prompt i owns
         tokens `extend_start_loc[i] : extend_start_loc[i] + extend_seq_lens[i]`.
         """
-        with self.step_lock:
-            reqs = [Request(f"prefill-{i}", list(ids), _PREFILL_PARAMS) for i, ids in enumerate(token_id_lists)]
-            try:
-                for req in reqs:
-                    self._hold_kv(req)
-                forward_batch = self.prepare_forward_batch_extend(reqs)
-                forward_batch.logits_indices = torch.zeros(0, dtype=torch.int64)
-                forward_batch.next_token_logits_rows = []
-                forward_batch.prompt_logits_rows = [None] * len(reqs)
-                self.run_model(forward_batch)
-            finally:
-                for req in reqs:
-                    self.release_kv(req)
+        with self.step_lock, self._transient_requests(token_id_lists) as reqs:
+            forward_batch = self.prepare_forward_batch_extend(reqs)
+            forward_batch.logits_indices = torch.zeros(0, dtype=torch.int64)
+            forward_batch.next_token_logits_rows = []
+            forward_batch.prompt_logits_rows = [None] * len(reqs)
+            self.run_model(forward_batch)
             return forward_batch
+
+    @contextmanager
+    def _transient_requests(self, token_id_lists: list[list[int]]) -> Iterator[list[Request]]:
+        """Requests the scheduler never sees, for one forward: KV held on entry, freed on exit."""
+        reqs = [Request(f"transient-{i}", list(ids), _PREFILL_PARAMS) for i, ids in enumerate(token_id_lists)]
+        try:
+            for req in reqs:
+                self._hold_kv(req)
+            yield reqs
+        finally:
+            for req in reqs:
+                self.release_kv(req)
 
     def _hold_kv(self, req: Request) -> None:
         if not 0 < req.num_tokens <= self.req_to_token_pool.max_context_len:
