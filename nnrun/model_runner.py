@@ -45,6 +45,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.step_lock = threading.RLock()  # one forward at a time: engine steps and run_prefill_only
         self.eos_token_ids: set[int] = set()  # set by the engine; used for min_tokens
+        self.graph_runner: DecodeGraphRunner | None = None  # decode CUDA graphs, once captured
 
     # ---- lifecycle -------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -153,7 +154,7 @@ class ModelRunner:
 
         `capturer` stands in for CUDA's graph capture (the CPU tests pass a recording one).
         """
-        self.graph_runner: DecodeGraphRunner | None = None
+        self.graph_runner = None
         if not self.config.device.enable_cuda_graphs:
             return
         if capturer is None:
@@ -182,7 +183,7 @@ class ModelRunner:
         return any(module._forward_hooks or module._forward_pre_hooks for module in self._modules)
 
     def _replays_graph(self, forward_batch: ForwardBatch) -> bool:
-        graphs = getattr(self, "graph_runner", None)
+        graphs = self.graph_runner
         return (graphs is not None and self.can_use_cuda_graph(forward_batch)
                 and graphs.padded_batch_size(forward_batch.batch_size) is not None
                 and self.attention_backend_for(forward_batch) is graphs.backend)

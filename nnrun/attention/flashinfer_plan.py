@@ -167,12 +167,12 @@ def pad_decode_plan(plan: PagedKVPlan, batch_size: int, trash_page: int) -> Page
     num_pad = batch_size - plan.batch_size
     if num_pad < 0:
         raise ValueError(f"cannot pad a batch of {plan.batch_size} requests down to {batch_size}")
-    ones = torch.ones(num_pad, dtype=torch.int32)  # [P]
+    one_each = torch.arange(1, num_pad + 1, dtype=torch.int32)  # [P] one query row and one page per padding row
     return PagedKVPlan(
         forward_mode=ForwardMode.DECODE,
         page_size=plan.page_size,
-        qo_indptr=torch.cat([plan.qo_indptr, plan.qo_indptr[-1] + ones.cumsum(0, dtype=torch.int32)]),  # [bs+1]
-        kv_indptr=torch.cat([plan.kv_indptr, plan.kv_indptr[-1] + ones.cumsum(0, dtype=torch.int32)]),  # [bs+1]
+        qo_indptr=torch.cat([plan.qo_indptr, plan.qo_indptr[-1] + one_each]),  # [bs+1]
+        kv_indptr=torch.cat([plan.kv_indptr, plan.kv_indptr[-1] + one_each]),  # [bs+1]
         kv_indices=torch.cat([plan.kv_indices, torch.full((num_pad,), trash_page, dtype=torch.int32)]),
-        kv_last_page_len=torch.cat([plan.kv_last_page_len, ones]),  # [bs]
+        kv_last_page_len=torch.cat([plan.kv_last_page_len, torch.ones(num_pad, dtype=torch.int32)]),  # [bs]
     )
