@@ -59,7 +59,11 @@ class PackedGroup:
         return len(self.rows) == 1
 
 
-class ShapeMismatchError(ValueError):
+class InvalidWriteError(ValueError):
+    """An assignment the step cannot take: thrown into the block at its line, ending that request only."""
+
+
+class ShapeMismatchError(InvalidWriteError):
     """An assignment whose tensor does not have the shape of the value it replaces."""
 
 
@@ -80,6 +84,7 @@ class PackedBatcher(Batcher):
         self.num_tokens = 0  # N
         self.num_logits = 0  # R
         self.num_rows = 0  # B
+        self.vocab_size: int | None = None  # the range `model.samples` may be set to (set by the runner)
         self.location = ""  # the location being served now (set by the interleaver)
         self.pending_skips: dict[str, _SkipParts] = {}  # output location -> replacements to splice in
 
@@ -162,22 +167,47 @@ class PackedBatcher(Batcher):
                 if key in edited:
                     merged[key] = self._merge(full[key], edited[key], fn)
             return merged
-        return edited
+        if edited is not full and not _same_value(full, edited):
+            raise InvalidWriteError(
+                f"{_module_of(self.location)}: cannot replace {type(full).__name__} {full!r:.40} with "
+                f"{type(edited).__name__} {edited!r:.40}: it is not a per-token value of this request (every "
+                "request in the step shares it), so one trace cannot change it"
+            )
+        return full
 
     def _widen_tensor(self, full: torch.Tensor, group: PackedGroup, edited: Any, layout: Layout) -> Any:
         if not self._is_packed(full, layout):
-            return edited  # served whole, so the edit is the whole value
-        expected = self._served_shape(full, group, layout)
-        if not isinstance(edited, torch.Tensor):
-            edited = torch.as_tensor(edited, dtype=full.dtype, device=full.device).expand(expected)
-        if tuple(edited.shape) != expected:
-            raise ShapeMismatchError(
-                f"{_module_of(self.location)}: cannot assign a value of shape {tuple(edited.shape)} where the "
-                f"model has shape {expected}"
+            if edited is full:
+                return full
+            raise InvalidWriteError(
+                f"{_module_of(self.location)}: cannot assign here: this tensor of shape {tuple(full.shape)} is "
+                "not per token or per request (every request in the step shares it), so one trace cannot change it"
             )
+        expected = self._served_shape(full, group, layout)
+        edited = self._checked_write(full, edited, expected)
         updated = full.clone()  # the model continues from a new tensor; reads saved before keep their values
         self._write(updated, group, layout, edited)
         return updated
+
+    def _checked_write(self, full: torch.Tensor, edited: Any, expected: tuple[int, ...]) -> torch.Tensor:
+        """`edited` as a tensor the step can take in place of this request's part of `full`, or an error."""
+        where = _module_of(self.location)
+        if isinstance(edited, bool) or not isinstance(edited, (torch.Tensor, int, float)):
+            raise InvalidWriteError(f"{where}: cannot assign {type(edited).__name__} {edited!r:.40}; assign a "
+                                    f"tensor of shape {expected} (or a number)")
+        if not isinstance(edited, torch.Tensor):
+            edited = torch.as_tensor(edited, dtype=full.dtype, device=full.device).expand(expected)
+        if edited.is_meta:
+            raise InvalidWriteError(f"{where}: cannot assign a meta tensor (it has a shape but no values)")
+        if tuple(edited.shape) != expected:
+            raise ShapeMismatchError(
+                f"{where}: cannot assign a value of shape {tuple(edited.shape)} where the model has shape {expected}"
+            )
+        if self.location == SAMPLES_LOCATION:
+            check_token_ids(edited, self.vocab_size, where)
+        elif self.location == LOGITS_LOCATION and edited.is_floating_point() and bool(edited.isnan().any()):
+            raise InvalidWriteError(f"{where}: cannot assign logits containing NaN (use -inf to rule a token out)")
+        return edited
 
     def _served_lead(self, group: PackedGroup, layout: Layout) -> tuple[int, ...]:
         """The leading dims a group is served: `(k,)` rows, or `(k, T_max)` positions."""
@@ -208,7 +238,10 @@ class PackedBatcher(Batcher):
         layout = self.layout_of(self.location)
         expected = self._served_lead(group, layout)
         first = next(iter(_tensors(replacement)), None)  # the module's main output (hidden states)
-        if first is not None and tuple(first.shape[: len(expected)]) != expected:
+        if first is None or first.is_meta:
+            raise InvalidWriteError(f"{_module_of(self.location)}: a skip replacement must hold a tensor with "
+                                    f"values, got {type(replacement).__name__} {replacement!r:.40}")
+        if tuple(first.shape[: len(expected)]) != expected:
             raise ShapeMismatchError(
                 f"{_module_of(self.location)}: a skip replacement of shape {tuple(first.shape)} does not "
                 f"cover this request's tokens {expected}"
@@ -254,6 +287,25 @@ class PackedBatcher(Batcher):
         finally:
             self.location = saved
         return value
+
+
+def check_token_ids(token_ids: torch.Tensor, vocab_size: int | None, where: str) -> None:
+    """Raise InvalidWriteError unless `token_ids` are integers in the vocabulary."""
+    if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
+        raise InvalidWriteError(f"{where}: token ids must be integers, got {token_ids.dtype}")
+    if vocab_size is None or token_ids.numel() == 0:
+        return
+    low, high = int(token_ids.min()), int(token_ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise InvalidWriteError(f"{where}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # objects whose == is not a plain truth value
+        return False
 
 
 def _gather_left_padded(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:

@@ -18,7 +18,7 @@ from greenlet import getcurrent
 from nnsight.intervention.eproperty import eproperty
 from nnsight.intervention.interleaver import Event, Interleaver, Mediator
 
-from interleaver.batcher import PackedBatcher, ShapeMismatchError
+from interleaver.batcher import InvalidWriteError, PackedBatcher
 
 
 class ServedValues:
@@ -33,6 +33,31 @@ class ServedValues:
     def samples(self, value: Any) -> Any:
         """`[1]` (a list invoke: `[k]`) token ids sampled this step; assign to force tokens."""
         return value
+
+
+class BlockInterrupt(Exception):
+    """A `BaseException` a block raised (`KeyboardInterrupt`, `SystemExit`, `pytest.fail`, ...), carried
+    as an ordinary error.
+
+    Blocks run on the engine thread, where a `BaseException` would unwind the engine's own loop
+    and strand every request in flight. Wrapped, it is deferred like any error of the block: it
+    ends that block's requests only, and the trace re-raises `original` in the caller's thread.
+    """
+
+    def __init__(self, original: BaseException) -> None:
+        super().__init__(f"the block raised {type(original).__name__}: {original}")
+        self.original = original
+        self.__intervention_tb__ = getattr(original, "__intervention_tb__", original.__traceback__)
+
+
+def as_block_error(error: BaseException) -> Exception:
+    """`error` as an `Exception` the engine can defer (a `BaseException` is wrapped)."""
+    return error if isinstance(error, Exception) else BlockInterrupt(error)
+
+
+def original_error(error: BaseException) -> BaseException:
+    """What the user's block raised, unwrapped."""
+    return error.original if isinstance(error, BlockInterrupt) else error
 
 
 class PackedMediator(Mediator):
@@ -56,14 +81,14 @@ class PackedMediator(Mediator):
             elif pending.event is Event.SWAP:
                 try:
                     value = batcher.widen(value, group, pending.value)
-                except ShapeMismatchError as error:
+                except InvalidWriteError as error:
                     self.pending = self.throw(error)
                 else:
                     self.pending = self.switch()
             elif pending.event is Event.SKIP:
                 try:
                     value = batcher.gather_skip(value, group, pending.value)
-                except ShapeMismatchError as error:
+                except InvalidWriteError as error:
                     self.pending = self.throw(error)
                 else:
                     self.pending = self.switch()
@@ -71,6 +96,15 @@ class PackedMediator(Mediator):
                 break
             pending = self.pending
         return value
+
+    def switch(self, *args: Any) -> Any:
+        """Resume the worker; whatever it raises reaches the engine as an `Exception`."""
+        try:
+            return super().switch(*args)
+        except Exception:
+            raise
+        except BaseException as raised:
+            raise BlockInterrupt(raised) from None
 
     def throw(self, error: BaseException) -> Any:
         """Raise `error` inside the worker at the line it is parked on; return its next park."""
@@ -80,7 +114,9 @@ class PackedMediator(Mediator):
         except BaseException as raised:
             if not hasattr(raised, "__intervention_tb__"):
                 raised.__intervention_tb__ = raised.__traceback__
-            raise
+            if isinstance(raised, Exception):
+                raise
+            raise BlockInterrupt(raised) from None
 
 
 class PackedInterleaver(Interleaver):

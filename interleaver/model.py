@@ -25,6 +25,7 @@ from interleaver.requests import Invocation, TraceJob, pad_sequences
 from interleaver.runner import NNsightGPUModelRunner
 from interleaver.tracer import NNrunTracer, PendingInvoke
 from nnrun.engine import LLM
+from nnrun.prompts import split_model_input, tokenize_prompt
 from nnrun.sampling_params import SamplingParams
 
 GENERATE_KWARGS = (
@@ -117,10 +118,7 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         """How many prompts a trace's own input holds (0: the body's invokes hold them)."""
         if not inputs:
             return 0
-        data = inputs[0]
-        if isinstance(data, (list, tuple)) and data and not all(isinstance(t, int) for t in data):
-            return len(data)
-        return 1
+        return len(split_model_input(inputs[0])[0])
 
     def _build_job(self, kind: str, invokes: list[PendingInvoke], trace_kwargs: dict, needs_grad: bool) -> TraceJob:
         """One engine request per prompt; an empty invoke spans every request of the trace."""
@@ -156,11 +154,16 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         # A gang: one step admits every request of the trace (invokes that share values, and
         # barriers, need their requests in the same forward).
         engine.submit_requests(list(job.requests.values()), gang=True)
-        while not job.done.wait(1.0):
-            if all(request.is_finished for request in job.requests.values()):
-                with engine.runner.step_lock:  # a step that finished them has also finalized them
-                    if not job.done.is_set():
-                        raise RuntimeError("the engine finished this trace's requests without finalizing its blocks")
+        try:
+            while not job.done.wait(1.0):
+                if all(request.is_finished for request in job.requests.values()):
+                    with engine.runner.step_lock:  # a step that finished them has also finalized them
+                        if not job.done.is_set():
+                            raise RuntimeError("the engine finished this trace's requests without finalizing "
+                                               "its blocks")
+        except BaseException:  # Ctrl-C while waiting: end the trace's requests, free their KV and blocks
+            engine.abort(list(job.requests))
+            raise
 
     def _generate_plain(self, inputs: tuple, kwargs: dict) -> torch.Tensor:
         prompts = self._prompts(inputs)
@@ -176,27 +179,13 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
             return []
         if len(inputs) > 1:
             raise ValueError(f"an invoke takes one prompt or one list of prompts, got {len(inputs)} arguments")
-        data = inputs[0]
-        if isinstance(data, dict) or hasattr(data, "input_ids"):
-            ids, mask = data["input_ids"], data.get("attention_mask")
-            ids = torch.as_tensor(ids)
-            rows = ids.reshape(-1, ids.shape[-1])
-            masks = None if mask is None else torch.as_tensor(mask).reshape(rows.shape).bool()
-            return [row[masks[i]].tolist() if masks is not None else row.tolist() for i, row in enumerate(rows)]
-        if isinstance(data, torch.Tensor):
-            return [row.tolist() for row in data.reshape(-1, data.shape[-1])]
-        if isinstance(data, str):
-            return [self._tokenize(data)]
-        if isinstance(data, (list, tuple)) and data and all(isinstance(t, int) for t in data):
-            return [list(data)]
-        if isinstance(data, (list, tuple)) and data:
-            return [p for item in data for p in self._prompts((item,))]
-        raise ValueError(f"cannot use {type(data).__name__} {data!r:.60} as a prompt")
+        prompts, where = split_model_input(inputs[0])
+        if len(prompts) == 1:
+            return [self._tokenize(prompts[0], where)]
+        return [self._tokenize(prompt, f"{where}[{i}]") for i, prompt in enumerate(prompts)]
 
-    def _tokenize(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass token ids, or tokenizer= when building it")
-        return list(self.tokenizer(text)["input_ids"])
+    def _tokenize(self, prompt: Any, where: str) -> list[int]:
+        return tokenize_prompt(prompt, where, self.tokenizer, self.engine.vocab_size)[1]
 
     def _pad_token_id(self) -> int:
         for source in (self.tokenizer, getattr(self._module, "generation_config", None), self._module.config):

@@ -31,7 +31,7 @@ from nnsight.intervention.interleaver import EarlyStopException, dangling_unwind
 from nnsight.tracing.tracer import _local, _saves, inc
 
 from interleaver.batcher import PackedGroup
-from interleaver.mediator import PackedInterleaver, PackedMediator
+from interleaver.mediator import PackedInterleaver, PackedMediator, as_block_error, original_error
 from nnrun.forward_batch import ForwardBatch
 from nnrun.request import Request
 
@@ -77,10 +77,10 @@ class TraceJob:
         """The first real error of the trace's blocks or requests (a `stop()` is not one)."""
         for invocation in self.invocations:
             if invocation.error is not None:
-                return invocation.error
+                return original_error(invocation.error)
         for request in self.requests.values():
             if request.error is not None and not isinstance(request.error, EarlyStopException):
-                return request.error
+                return original_error(request.error)
         return None
 
 
@@ -162,8 +162,8 @@ class NNsightRequestHelper:
             invocation.is_started = True
             try:
                 mediator.start(interleaver)
-            except Exception as error:  # the block raised before its first park
-                mediator.exception = error
+            except BaseException as error:  # the block raised before its first park
+                mediator.exception = as_block_error(error)
         interleaver.mediators = [inv.mediator for inv in invocations if _is_serving(inv.mediator)]
         interleaver.reindex()
 
@@ -227,8 +227,8 @@ class NNsightRequestHelper:
             mediator.batch_group = None
             try:
                 mediator.handle(RESULT_LOCATION, self._result_of(invocation))
-            except Exception as error:
-                mediator.exception = error
+            except BaseException as error:
+                mediator.exception = as_block_error(error)
         if mediator.alive and mediator.pending is not None:
             self._unwind(invocation)
         _unpin_saves([invocation])
@@ -254,7 +254,7 @@ class NNsightRequestHelper:
             if expected is not None and thrown is error:
                 invocation.warning = expected
             elif mediator.exception is None:
-                mediator.exception = thrown
+                mediator.exception = as_block_error(thrown)
             return
         mediator.pending = None
 

@@ -24,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from nnsight import NNsight
 
-from interleaver.batcher import PackedBatcher
+from interleaver.batcher import InvalidWriteError, PackedBatcher
 from interleaver.mediator import PackedInterleaver, ServedValues
 from interleaver.requests import NNsightRequestHelper
 from nnrun.attention import AttentionBackend
@@ -44,6 +44,7 @@ class NNsightGPUModelRunner(ModelRunner):
     def load_model(self) -> None:
         super().load_model()
         batcher = PackedBatcher(_module_path(self.model, self.model.get_output_embeddings()))
+        batcher.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.interleaver = PackedInterleaver(batcher)
         self.nnsight_model = RunnerModel(self.model, interleaver=self.interleaver)
         self.nnsight_requests = NNsightRequestHelper(self.interleaver)
@@ -111,8 +112,24 @@ class NNsightGPUModelRunner(ModelRunner):
         if helper.keep_running():
             with self.interleaver:
                 sampler_output.token_ids = type(model).samples.provide(model, sampler_output.token_ids)
+            self._fail_invalid_samples(forward_batch.reqs, sampler_output.token_ids)
         helper.end_step(forward_batch)
         return sampler_output
+
+    def _fail_invalid_samples(self, reqs: list[Request], token_ids: torch.Tensor) -> None:
+        """A block that edited `model.samples` in place to a token outside the vocabulary ends its own request.
+
+        (An assignment is checked where it is made; an in-place edit is only seen here.) The row gets
+        a valid placeholder so the step's bookkeeping goes on; a failed request never appends it.
+        """
+        vocab_size = self.interleaver.batcher.vocab_size
+        is_bad = (token_ids < 0) | (token_ids >= vocab_size)  # [B]
+        if not bool(is_bad.any()):
+            return
+        for row in is_bad.nonzero().flatten().tolist():
+            reqs[row].fail(InvalidWriteError(
+                f"model.samples: token id {int(token_ids[row])} is outside the vocabulary [0, {vocab_size})"))
+        token_ids.masked_fill_(is_bad, 0)
 
     # ---- 4. finishing ---------------------------------------------------------------------
     def finish_requests(self, reqs: list[Request]) -> None:

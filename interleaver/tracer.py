@@ -90,7 +90,7 @@ class NNrunTracer(InterleavingTracer):
             job.client_saves = client_saves
             self.envoy._run_job(job)
         finally:
-            if job is not None:
+            if job is not None and job.done.is_set():  # an interrupted trace was aborted: nothing to push
                 _push_saves(frame, job)
             self.pending_invokes = []
             clear_shared_locals()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 from typing import Any, Iterable, Iterator, Sequence
@@ -13,10 +14,12 @@ from nnrun.config import EngineConfig
 from nnrun.engine_core import EngineCore
 from nnrun.model_runner import ModelRunner
 from nnrun.outputs import RequestOutput
+from nnrun.prompts import split_prompts, tokenize_prompt
 from nnrun.request import Request
 from nnrun.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
+logger = logging.getLogger(__name__)
 
 
 class RequestHandle:
@@ -80,6 +83,7 @@ class LLM:
         self._arrivals = itertools.count(1)
         self._handles: dict[str, RequestHandle] = {}
         self._inbox: list[Request] = []
+        self._aborts: dict[str, BaseException] = {}  # request id -> the error its caller gets
         self._wakeup = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -93,11 +97,15 @@ class LLM:
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         requests = [self.make_request(p, sp, index=i) for i, (p, sp) in enumerate(zip(prompt_list, params_list))]
         handles = self.submit_requests(requests)
-        if use_tqdm:
-            from tqdm import tqdm
+        try:
+            if use_tqdm:
+                from tqdm import tqdm
 
-            handles = tqdm(handles, desc="generate")
-        return [handle.result() for handle in handles]
+                return [handle.result() for handle in tqdm(handles, desc="generate")]
+            return [handle.result() for handle in handles]
+        except BaseException:  # Ctrl-C while waiting: the requests must not keep running unseen
+            self.abort([req.request_id for req in requests])
+            raise
 
     def generate_stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Yield a RequestOutput after every new token of one prompt."""
@@ -119,9 +127,39 @@ class LLM:
         fit `max_num_seqs`), which interventions that share values across requests rely on.
         """
         if gang and len(requests) > 1:
+            self._check_gang_fits(requests)
             for req in requests:
                 req.gang_id = requests[0].request_id
         return self._enqueue(requests, stream)
+
+    def _check_gang_fits(self, requests: list[Request]) -> None:
+        """A gang runs in one step or not at all: refuse one that no step can hold, rather than split it."""
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        if len(requests) > max_num_seqs:
+            raise ValueError(
+                f"a trace of {len(requests)} prompts cannot run: its prompts must share one forward, and the engine "
+                f"runs at most max_num_seqs={max_num_seqs} requests per step. Split the prompts over several "
+                f"traces, or build the model with max_num_seqs >= {len(requests)}"
+            )
+        num_slots = sum(self.runner.allocator.pages_needed(req.num_tokens) for req in requests)
+        num_slots *= self.runner.allocator.page_size
+        if num_slots > self.runner.max_total_tokens:
+            raise ValueError(
+                f"a trace of {len(requests)} prompts needs {num_slots} KV slots in one step, but the KV pool holds "
+                f"{self.runner.max_total_tokens}; split the prompts over several traces, or give the engine a "
+                "larger pool (max_total_tokens)"
+            )
+
+    def abort(self, request_ids: Iterable[str], error: BaseException | None = None) -> None:
+        """End these requests at the next step boundary (thread-safe; unknown or finished ids are ignored).
+
+        Their KV pages and interventions are released as for any finished request; a caller still
+        waiting on one gets `error` (by default a RuntimeError saying it was aborted).
+        """
+        with self._wakeup:
+            for request_id in request_ids:
+                self._aborts[request_id] = error or RuntimeError(f"request {request_id} was aborted by its caller")
+            self._wakeup.notify()
 
     def shutdown(self) -> None:
         with self._wakeup:
@@ -164,24 +202,7 @@ class LLM:
         return req
 
     def _tokenize(self, prompt: Prompt, where: str) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError(f"{where} is an empty string")
-            if self.tokenizer is None:
-                raise ValueError(f"{where} is text but the model has no tokenizer; pass token ids or tokenizer=")
-            return prompt, list(self.tokenizer(prompt)["input_ids"])
-        if isinstance(prompt, torch.Tensor):
-            prompt = prompt.flatten().tolist()
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"{where} must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not prompt:
-            raise ValueError(f"{where} has no token ids")
-        for position, token in enumerate(prompt):
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
-                raise ValueError(
-                    f"{where} token id {token!r} at position {position} is out of the vocabulary [0, {self.vocab_size})"
-                )
-        return None, list(prompt)
+        return tokenize_prompt(prompt, where, self.tokenizer, self.vocab_size)
 
     @staticmethod
     def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
@@ -196,6 +217,7 @@ class LLM:
 
     # ---- the engine thread ----------------------------------------------------------------
     def _enqueue(self, requests: list[Request], stream: bool) -> list[RequestHandle]:
+        self.check_not_engine_thread("model.trace(), model.generate() or an engine call")
         handles = [RequestHandle(req, stream) for req in requests]
         with self._wakeup:
             if self._stopping:
@@ -214,21 +236,39 @@ class LLM:
                 self._thread.start()
         return handles
 
+    def check_not_engine_thread(self, what: str) -> None:
+        """Refuse work that would wait on the engine thread from the engine thread itself.
+
+        A trace's block runs on the engine thread; a trace, `generate` or `shutdown` called from
+        inside it would wait for a step that can only run once the block returns: a deadlock.
+        """
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                f"{what} cannot be started from inside a trace's block: the block runs on the engine thread, "
+                "which would wait for itself. Run it after the `with` block ends, or add the prompt to this "
+                "trace with `tracer.invoke(...)`"
+            )
+
     def _loop(self) -> None:
         while True:
             with self._wakeup:
-                while not self._inbox and not self.core.has_unfinished and not self._stopping:
+                while not self._inbox and not self._aborts and not self.core.has_unfinished and not self._stopping:
                     self._wakeup.wait()
                 if self._stopping:
                     self._publish(self.core.abort_all(RuntimeError("the engine was shut down")))
                     return
                 inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, {}
             for req in inbox:
                 self.core.add_request(req)
             try:
+                aborted = self.core.abort_requests(aborts)
                 stepped, finished = self.core.step()
-            except Exception as error:  # an engine bug must not strand callers: fail what is in flight
+            except BaseException as error:  # an engine bug must not strand callers: fail what is in flight
+                logger.exception("engine step failed; failing every request in flight")
                 finished, stepped = self.core.abort_all(error), []
+            else:
+                finished = aborted + finished
             self._publish(stepped, finished)
 
     def _publish(self, stepped: Iterable[Request], finished: Iterable[Request] = ()) -> None:
@@ -244,11 +284,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]
-    return list(prompts)
+    return split_prompts(prompts)
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:

@@ -48,10 +48,12 @@ class EngineCore:
             try:
                 logits_output = self.runner.forward(forward_batch)
                 sampler_output = self.runner.sample(logits_output, forward_batch)
+                for row, reason in sampler_output.row_errors.items():
+                    reqs[row].fail(ValueError(f"request {reqs[row].request_id}: {reason}"))
                 self._record_prompt_logprobs(reqs, logits_output)
                 token_logprobs = self._token_logprobs(reqs, sampler_output)
                 next_ids = sampler_output.token_ids.tolist()
-            except Exception as error:  # a failure of the step itself: its requests end, the engine goes on
+            except BaseException as error:  # a failure of the step itself: its requests end, the engine goes on
                 logger.exception("engine step failed")
                 finished += self.scheduler.fail_requests(reqs, error)
             else:
@@ -59,6 +61,15 @@ class EngineCore:
             finished += self._drain_scheduler_failures()
             self._finish(finished)
             return reqs, finished
+
+    def abort_requests(self, errors: dict[str, BaseException]) -> list[Request]:
+        """Finish the named requests now (those still waiting or running); returns them."""
+        if not errors:
+            return []
+        with self.runner.step_lock:
+            finished = self.scheduler.abort_requests(errors)
+            self._finish(finished)
+            return finished
 
     def abort_all(self, error: BaseException) -> list[Request]:
         with self.runner.step_lock:
@@ -74,7 +85,7 @@ class EngineCore:
                 req.text = self.stop_checker.detokenize(req)
         try:
             self.runner.finish_requests(finished)
-        except Exception as error:
+        except BaseException as error:
             logger.exception("runner.finish_requests failed")
             for req in finished:
                 req.fail(error)

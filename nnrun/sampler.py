@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,7 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [R] float32; None when no row asked for logprobs
     top_logprob_ids: torch.Tensor | None  # [R, K] int64, K = max requested logprobs; None when K == 0
     top_logprobs: torch.Tensor | None  # [R, K] float32, sorted descending
+    row_errors: dict[int, str] = field(default_factory=dict)  # row -> why it could not be sampled (its request fails)
 
 
 class Sampler:
@@ -37,14 +38,23 @@ class Sampler:
         raw = logits.float()  # [R, V]; aliases the caller's tensor when it is float32, so only out-of-place ops
         penalized = apply_penalties(raw, rows)  # [R, V]; same aliasing rule
         sample_indices = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        row_errors: dict[int, str] = {}
         if len(sample_indices) == len(rows):
-            token_ids = _sample(penalized, rows)  # [R] int64
+            token_ids, is_unsamplable = _sample(penalized, rows)  # [R] int64, [R] bool
         else:
             token_ids = penalized.argmax(dim=-1)  # [R] int64; final for greedy rows
+            is_unsamplable = None
             if sample_indices:
                 index = torch.tensor(sample_indices, device=logits.device)  # [S] int64
-                token_ids[index] = _sample(penalized[index], [rows[i] for i in sample_indices])
-        return _with_logprobs(raw, token_ids, rows)
+                token_ids[index], is_unsamplable = _sample(penalized[index], [rows[i] for i in sample_indices])
+        if is_unsamplable is not None and bool(is_unsamplable.any()):
+            for j in is_unsamplable.nonzero().flatten().tolist():
+                row_errors[sample_indices[j]] = ("its logits hold NaN or +inf, or no finite value, after temperature and filtering, "
+                                   "so no token can be sampled (HF's sampling raises on such a row)")
+            token_ids.masked_fill_(_rows_mask(row_errors, len(rows), token_ids.device), 0)  # placeholders
+        output = _with_logprobs(raw, token_ids, rows)
+        output.row_errors = row_errors
+        return output
 
 
 def compute_logprobs(
@@ -91,8 +101,12 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return out
 
 
-def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then an exact categorical draw per row -> [S] int64."""
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, top-k, top-p, min-p, then an exact categorical draw per row -> [S] int64.
+
+    Also returns which rows cannot be sampled ([S] bool): a NaN anywhere, or no probability
+    mass left. Such a row (a block wrote NaN, say) fails its own request, not the batch.
+    """
     device = logits.device
     temperature = _column([row.params.temperature for row in rows], device)  # [S, 1]
     # A new tensor: the filters below may write in place without touching the caller's logits.
@@ -104,8 +118,9 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p); log(0) = -inf drops nothing.
         logits.masked_fill_(logits < max_logit + _column(min_p, device).log(), float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # [S, V]
+    is_unsamplable = probs.isnan().any(dim=-1)  # [S] bool; an all -inf row softmaxes to NaN too
     # Exponential race: argmax(p_i / q_i) with q_i ~ Exp(1) is distributed exactly as Categorical(p).
-    return probs.div_(_exponential_noise(probs, rows)).argmax(dim=-1)
+    return probs.div_(_exponential_noise(probs, rows)).argmax(dim=-1), is_unsamplable
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -176,6 +191,12 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.d
     token_ids = torch.tensor([t for ids in token_lists for t in ids], dtype=torch.long, device=device)
     counts = torch.zeros(len(token_lists), vocab_size, device=device)  # [P, V] float32
     return counts.index_put_((row_ids, token_ids), torch.ones_like(token_ids, dtype=counts.dtype), accumulate=True)
+
+
+def _rows_mask(rows: dict[int, str], num_rows: int, device: torch.device) -> torch.Tensor:
+    mask = torch.zeros(num_rows, dtype=torch.bool)  # [R]
+    mask[list(rows)] = True
+    return mask.to(device)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

@@ -73,18 +73,14 @@ class Scheduler:
             if num_prefill_tokens + num_new > budget and num_prefill_tokens > 0:
                 return
             if not self._hold_kv_all(unit):
-                if len(unit) > 1 and not self.running and not scheduled:
-                    unit = unit[:1]  # the pool cannot hold the whole gang at once: admit it piecewise
-                    if self._hold_kv_all(unit):
-                        self._start(unit, scheduled)
-                        num_prefill_tokens += unit[0].num_tokens
-                        continue
-                if not self.running and not scheduled:
-                    req = self.waiting.popleft()
-                    self._finish(req, FinishReason.ERROR, RuntimeError(
-                        f"request {req.request_id} needs {req.num_tokens} KV slots but the whole pool has "
-                        f"{self.allocator.num_free_tokens} free"))
-                    self.just_failed.append(req)
+                if not self.running and not scheduled:  # the whole pool is free and still too small
+                    error = RuntimeError(
+                        f"request {unit[0].request_id} ({len(unit)} request(s) that must run together) needs "
+                        f"{sum(r.num_tokens for r in unit)} KV slots but the whole pool has "
+                        f"{self.allocator.num_free_tokens} free")
+                    for req in unit:
+                        self._finish(req, FinishReason.ERROR, error)
+                        self.just_failed.append(req)
                     continue
                 return
             self._start(unit, scheduled)
@@ -96,11 +92,9 @@ class Scheduler:
             return [head]
         gang = [r for r in self.waiting if r.gang_id == head.gang_id]
         room = self.config.max_num_seqs - len(self.running)
-        if len(gang) <= room:
-            return gang
-        if len(gang) > self.config.max_num_seqs:
-            return gang[:room]  # it can never run whole: admit it piecewise
-        return []  # wait until enough running requests finish
+        # All or none: a gang shares values across its requests within one forward, so a split
+        # would silently run part of it. The engine refuses gangs larger than max_num_seqs.
+        return gang if len(gang) <= room else []
 
     def _hold_kv_all(self, unit: list[Request]) -> bool:
         held = []
@@ -181,6 +175,13 @@ class Scheduler:
             if not req.is_finished:
                 self._finish(req, FinishReason.ERROR, req.error or error)
         return reqs
+
+    def abort_requests(self, errors: dict[str, BaseException]) -> list[Request]:
+        """Finish the waiting or running requests named in `errors`, each with its error."""
+        aborted = [req for req in list(self.running) + list(self.waiting) if req.request_id in errors]
+        for req in aborted:
+            self._finish(req, FinishReason.ABORT, errors[req.request_id])
+        return aborted
 
     def abort_all(self, error: BaseException) -> list[Request]:
         return self.fail_requests(list(self.running) + list(self.waiting), error)

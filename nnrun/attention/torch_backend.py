@@ -24,7 +24,7 @@ class _TorchMetadata:
     out_cache_loc: torch.Tensor  # [N]
     mode: ForwardMode
     extend_reqs: list[_ExtendRequest]
-    decode_slots: torch.Tensor | None  # [B, max_seq_len] int64 (padding points at slot 0)
+    decode_slots: torch.Tensor | None  # [B, max_seq_len] int64 (padding points at slot 0, then zeroed)
     decode_seq_lens: torch.Tensor | None  # [B] int64
 
 
@@ -87,6 +87,12 @@ class TorchAttnBackend(AttentionBackend):
         allowed = kv_pos[None, :] <= q_pos  # [B, L]
         if sliding_window is not None:
             allowed &= kv_pos[None, :] > q_pos - sliding_window
+        # Padding rows read whatever sits in slot 0 (another request's KV, or a freed page's), and a
+        # masked score still multiplies its value: 0 * NaN is NaN. Selecting zeros instead makes
+        # masked positions contribute exactly nothing, whatever the pool holds.
+        keep = allowed[:, :, None, None]  # [B, L, 1, 1]
+        keys = torch.where(keep, keys, keys.new_zeros(()))
+        values = torch.where(keep, values, values.new_zeros(()))
         batch, num_q_heads, head_dim = q.shape
         num_kv_heads = keys.shape[2]
         if softcap is None:

@@ -1,0 +1,132 @@
+"""Turn a user's prompt into validated token ids, for `LLM.generate` and `LanguageModel` traces alike.
+
+A prompt is a string, or one sequence of token ids: a list/tuple of integral scalars (Python
+ints, numpy integers, 0-d integer tensors), a 1-D integer tensor or a 1-D integer numpy array.
+Several prompts are a list of those, or a 2-D tensor/array (one prompt per row). Every bad
+prompt raises a ValueError that names it (`prompts[1]`) and the offending value.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+def split_prompts(prompts: Any, where: str = "prompts") -> list[Any]:
+    """One entry per prompt: a string or a single token sequence is one, a 2-D tensor/array one per row."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):
+        if prompts.ndim == 1:
+            return [prompts]
+        if prompts.ndim == 2:
+            return list(prompts)
+        raise ValueError(f"{where} as a {type(prompts).__name__} must be 1-D (one prompt of token ids) or 2-D "
+                         f"(one prompt per row), got shape {tuple(prompts.shape)}")
+    if isinstance(prompts, Iterable) and not isinstance(prompts, (bytes, bytearray, dict)):
+        prompts = prompts if isinstance(prompts, (list, tuple)) else list(prompts)  # a generator of prompts
+        # A sequence that starts with a scalar is one prompt of token ids; the token checks name a
+        # bad element (a float, a bool) instead of calling it a prompt of its own.
+        return [prompts] if prompts and _is_scalar(prompts[0]) else list(prompts)
+    raise ValueError(f"{where} must be a string, a sequence of token ids, or a list of those; "
+                     f"got {type(prompts).__name__} {prompts!r:.60}")
+
+
+def split_model_input(data: Any) -> tuple[list[Any], str]:
+    """A trace or invoke input (a prompt, prompts or a tokenizer's output) as (prompts, the name to report them by)."""
+    if isinstance(data, dict) or hasattr(data, "input_ids"):
+        prompts, where = unmasked_rows(data), "input_ids"
+    else:
+        prompts, where = split_prompts(data, "input"), "input"
+    if not prompts:
+        raise ValueError(f"{where} holds no prompts, got {data!r:.60}")
+    return prompts, where
+
+
+def unmasked_rows(encoding: Any) -> list[Any]:
+    """The prompts of a tokenizer's output (a dict or BatchEncoding): `input_ids` rows, less masked-out positions."""
+    if "input_ids" not in encoding:
+        raise ValueError(f"a dict input needs input_ids, got keys {', '.join(map(str, encoding)) or 'none'}")
+    rows = split_prompts(encoding["input_ids"], "input_ids")
+    mask = encoding.get("attention_mask")
+    if mask is None:
+        return rows
+    mask_rows = split_prompts(mask, "attention_mask")
+    if len(mask_rows) != len(rows) or any(len(keep) != len(row) for keep, row in zip(mask_rows, rows)):
+        raise ValueError(f"attention_mask ({[len(keep) for keep in mask_rows]} positions per row) does not match "
+                         f"input_ids ({[len(row) for row in rows]})")
+    return [[token for token, keep in zip(row, keeps) if keep] for row, keeps in zip(rows, mask_rows)]
+
+
+def tokenize_prompt(prompt: Any, where: str, tokenizer: Any, vocab_size: int) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of one prompt; ValueError naming `where` when it cannot be used."""
+    if isinstance(prompt, str):
+        return prompt, _encode(prompt, where, tokenizer, vocab_size)
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):
+        prompt = _array_to_list(prompt, where)
+    elif not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"{where} must be a string or a sequence of token ids, got {type(prompt).__name__} "
+                         f"{prompt!r:.60}")
+    if not prompt:
+        raise ValueError(f"{where} has no token ids")
+    return None, [_token_id(token, where, position, vocab_size) for position, token in enumerate(prompt)]
+
+
+def _token_id(token: Any, where: str, position: int, vocab_size: int) -> int:
+    """`token` as a Python int in [0, vocab_size): ints, numpy integers and 0-d integer tensors qualify."""
+    if isinstance(token, torch.Tensor) and token.ndim == 0 and _is_integer_dtype(token.dtype):
+        token = token.item()
+    if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+        raise ValueError(f"{where} token id {token!r} at position {position} is not an integer "
+                         f"(got {type(token).__name__})")
+    token = int(token)
+    if not 0 <= token < vocab_size:
+        raise ValueError(f"{where} token id {token} at position {position} is out of the vocabulary [0, {vocab_size})")
+    return token
+
+
+def _encode(text: str, where: str, tokenizer: Any, vocab_size: int) -> list[int]:
+    if not text:
+        raise ValueError(f"{where} is an empty string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{where} contains a lone surrogate {text[error.start]!r} at position {error.start} "
+                         f"that cannot be encoded as UTF-8") from None
+    if tokenizer is None:
+        raise ValueError(f"{where} is text but the model has no tokenizer; pass token ids or tokenizer=")
+    token_ids = [int(token) for token in tokenizer(text)["input_ids"]]
+    if not token_ids:
+        raise ValueError(f"{where} {text!r:.60} tokenizes to no token ids")
+    outside = [token for token in token_ids if not 0 <= token < vocab_size]
+    if outside:  # a tokenizer with added tokens the model has no embedding rows for
+        raise ValueError(f"{where} tokenizes to id {outside[0]}, outside the model's vocabulary [0, {vocab_size})")
+    return token_ids
+
+
+def _array_to_list(array: torch.Tensor | np.ndarray, where: str) -> list[int]:
+    if array.ndim != 1:
+        raise ValueError(f"{where} as a {type(array).__name__} must be 1-D token ids, got shape {tuple(array.shape)}")
+    if isinstance(array, torch.Tensor):
+        if not _is_integer_dtype(array.dtype):
+            raise ValueError(f"{where} must hold integer token ids, got a tensor of {array.dtype}")
+        if array.device.type == "meta":
+            raise ValueError(f"{where} is a meta tensor: it has no token ids to read")
+        return array.tolist()
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{where} must hold integer token ids, got a numpy array of {array.dtype}")
+    return array.tolist()
+
+
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _is_scalar(value: Any) -> bool:
+    """A single number (a token id or a mistaken one), as opposed to a prompt."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return value.ndim == 0
+    return isinstance(value, (numbers.Number, np.generic)) and not isinstance(value, (str, bytes))
