@@ -11,9 +11,11 @@ from nnrun.extract.inputs import InputError, PromptRecord, PromptSource, open_pr
 from nnrun.extract.job import DEFAULT_SHARD_TOKENS, ExtractionOptions, extract
 from nnrun.extract.manifest import Manifest, SettingsMismatchError
 from nnrun.extract.progress import ExtractionSummary
+from nnrun.extract.resume import FolderRepairWarning
 from nnrun.extract.shards import ShardWriteError
 from nnrun.extract.store import ActivationStore, PromptActivations, load_activations
 from nnrun.extract.stream import TokenActivationStream
+from nnrun.extract.verify import DamagedFolderError
 
 
 class _CallableModule(types.ModuleType):
@@ -30,7 +32,8 @@ class _CallableModule(types.ModuleType):
 sys.modules[__name__].__class__ = _CallableModule
 
 __all__ = [
-    "DEFAULT_SHARD_TOKENS", "ActivationStore", "ExtractionOptions", "ExtractionSummary", "InputError", "Manifest",
-    "ModuleSpec", "PromptActivations", "PromptRecord", "PromptSource", "SettingsMismatchError", "ShardWriteError",
-    "TokenActivationStream", "extract", "load_activations", "open_prompts", "resolve_modules",
+    "DEFAULT_SHARD_TOKENS", "ActivationStore", "DamagedFolderError", "ExtractionOptions", "ExtractionSummary",
+    "FolderRepairWarning", "InputError", "Manifest", "ModuleSpec", "PromptActivations", "PromptRecord", "PromptSource",
+    "SettingsMismatchError", "ShardWriteError", "TokenActivationStream", "extract", "load_activations", "open_prompts",
+    "resolve_modules",
 ]

@@ -11,13 +11,16 @@ _DTYPES = ("float32", "float16", "bfloat16")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare `nnrun extract`'s options."""
-    parser.add_argument("--model", required=True, help="checkpoint folder, hub id or bundled name (e.g. tiny-facts)")
-    parser.add_argument("--input", required=True,
-                        help="prompts: .txt (one a line), .jsonl, .parquet, or a saved HF dataset folder")
-    parser.add_argument("--module", action="extend", nargs="+", required=True, dest="modules", metavar="PATH",
+    """Declare `nnrun extract`'s options: a job (--out with --model, --input, --module) or --verify DIR."""
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--out", help="output folder (created; an existing one is resumed, or extended when "
+                                    "items were appended to its input)")
+    mode.add_argument("--verify", metavar="DIR", help="check every file of an extraction folder against its "
+                                                     "manifest (sizes, sha256, offsets) and exit; no job runs")
+    parser.add_argument("--model", help="checkpoint folder, hub id or bundled name (e.g. tiny-facts); needs --out")
+    parser.add_argument("--input", help="prompts: .txt (one a line), .jsonl, .parquet, or a saved HF dataset folder")
+    parser.add_argument("--module", action="extend", nargs="+", dest="modules", metavar="PATH",
                         help="HF module path, e.g. model.layers.6 or model.layers.6.mlp.input (repeatable)")
-    parser.add_argument("--out", required=True, help="output folder (created; an existing one is resumed)")
     parser.add_argument("--positions", choices=("all", "last"), default="all",
                         help="store every token (default) or only each prompt's last")
     parser.add_argument("--dtype", choices=_DTYPES, default=None, help="stored dtype (default: the model's)")
@@ -39,7 +42,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the job; errors the user can fix print one line and exit 1."""
+    """Run the job or the check; errors the user can fix print one line and exit 1 (2 for a usage error)."""
+    job_options = {"--model": args.model, "--input": args.input, "--module": args.modules}
+    if args.verify is not None:
+        given = [flag for flag, value in job_options.items() if value is not None]
+        if given:
+            return _usage_error(f"--verify checks a folder and runs no job; leave out {', '.join(given)}")
+        return verify(args.verify, args.quiet)
+    missing = [flag for flag, value in job_options.items() if value is None]
+    if missing:
+        return _usage_error(f"extracting into --out needs {', '.join(missing)}")
+    return _run_job(args)
+
+
+def verify(out_dir: str, quiet: bool = False) -> int:
+    """`nnrun extract --verify DIR`: 0 when every file matches the manifest; otherwise name each bad one, exit 1."""
+    from nnrun.extract.store import load_activations
+    from nnrun.extract.verify import DamagedFolderError
+
+    try:
+        store = load_activations(out_dir, verify=True)
+    except DamagedFolderError as error:
+        for damage in error.damage:
+            print(f"nnrun extract: {out_dir}: {damage.message()}", file=sys.stderr)
+        print(f"nnrun extract: {out_dir} is damaged ({len(error.damage)} problems). {error.advice}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as error:  # no manifest, or one that is not JSON
+        print(f"nnrun extract: error: {error}", file=sys.stderr)
+        return 1
+    if not quiet:
+        state = "complete" if store.is_complete else "incomplete (a job can resume it)"
+        print(f"{out_dir}: intact: {store.num_shards} shards, {len(store)} prompts, {store.num_tokens} tokens, "
+              f"{len(store.skipped)} skipped items; {state}")
+    return 0
+
+
+def _usage_error(message: str) -> int:
+    print(f"nnrun extract: error: {message}", file=sys.stderr)
+    return 2  # argparse's exit status for a usage error
+
+
+def _run_job(args: argparse.Namespace) -> int:
     from nnrun.extract.job import extract
 
     llm_kwargs = {"device": args.device, "dtype": args.model_dtype, "load_format": args.load_format}
@@ -52,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             limit=args.limit, shard_tokens=args.shard_tokens, resume=not args.no_resume, progress=not args.quiet,
             llm_kwargs=llm_kwargs,
         )
-    except (ValueError, OSError) as error:  # InputError, SettingsMismatchError, ShardWriteError, FileExistsError
+    except (ValueError, OSError) as error:  # InputError, SettingsMismatchError, DamagedFolderError, ShardWriteError
         print(f"nnrun extract: error: {error}", file=sys.stderr)
         return 1
     return 0 if summary.is_complete else 1

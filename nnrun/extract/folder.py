@@ -1,11 +1,14 @@
-"""Open an output folder for a job: claim a new one, or check an existing one may be continued."""
+"""Open an output folder for a job: claim a new one, or check an existing one was made with the same settings.
+
+What an existing folder holds is checked next, by resume.py, before the job builds on it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from nnrun.extract.manifest import MANIFEST_NAME, Manifest, SettingsMismatchError, settings_diff
+from nnrun.extract.manifest import Manifest, SettingsMismatchError, settings_diff
 
 _SHARD_GLOB = "shard-*.safetensors"
 
@@ -20,19 +23,19 @@ def open_folder(out_dir: Path, settings: dict[str, Any], model_info: dict[str, A
             raise ValueError(f"{out_dir} is not empty ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}) "
                              "and holds no extraction; choose a new or empty folder")
         manifest = Manifest(settings=settings, model=model_info)
-    elif not resume:
+        remove_uncommitted(out_dir, manifest)
+        manifest.save(out_dir)
+        return manifest
+    if not resume:
         raise FileExistsError(f"{out_dir} already holds an extraction; pass resume=True (CLI: leave out "
                               "--no-resume) to continue it, or choose another folder")
-    else:
-        diffs = settings_diff(manifest.settings, settings)
-        if diffs:
-            raise SettingsMismatchError(
-                f"{out_dir} holds an extraction made with other settings, and continuing would mix them: "
-                f"{'; '.join(diffs)}. Re-run with the stored settings, or choose another folder"
-            )
-        _check_shards(out_dir, manifest)
+    diffs = settings_diff(manifest.settings, settings)
+    if diffs:
+        raise SettingsMismatchError(
+            f"{out_dir} holds an extraction made with other settings, and continuing would mix them: "
+            f"{'; '.join(diffs)}. Re-run with the stored settings, or choose another folder"
+        )
     remove_uncommitted(out_dir, manifest)
-    manifest.save(out_dir)
     return manifest
 
 
@@ -45,12 +48,6 @@ def remove_uncommitted(out_dir: Path, manifest: Manifest) -> None:
 
 
 def _is_uncommitted(path: Path) -> bool:
-    return path.name.endswith(".tmp") or path.match(_SHARD_GLOB) or path.name == MANIFEST_NAME
+    # Never the manifest itself: it is only ever replaced whole, so the folder always has one.
+    return path.name.endswith(".tmp") or path.match(_SHARD_GLOB)
 
-
-def _check_shards(out_dir: Path, manifest: Manifest) -> None:
-    for shard in manifest.shards:
-        path = out_dir / shard.file
-        if not path.is_file() or path.stat().st_size != shard.num_bytes:
-            raise ValueError(f"{path} is listed in the manifest but is missing or has the wrong size; "
-                             "the folder is damaged: extract into a new folder")

@@ -70,6 +70,13 @@ class InputHasher:
     def hexdigest(self) -> str:
         return self._digest.hexdigest()
 
+    def copy(self) -> "InputHasher":
+        """An independent hasher in this one's state (a resume keeps the digest at the record it restarts from)."""
+        other = InputHasher()
+        other._digest = self._digest.copy()
+        other.num_records = self.num_records
+        return other
+
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)  # [numel * element_size]

@@ -77,7 +77,8 @@ def check_prompt(value: Any, text_field: str | None = None) -> tuple[Prompt | No
     if isinstance(value, str):
         if not value.strip():
             return None, "empty prompt"
-        return value, None
+        problem = _unicode_problem(value)
+        return (None, problem) if problem else (value, None)
     if isinstance(value, (list, tuple)):
         if not value:
             return None, "empty token id list"
@@ -87,6 +88,18 @@ def check_prompt(value: Any, text_field: str | None = None) -> tuple[Prompt | No
     if value is None:
         return None, "missing value (null)"
     return None, f"expected a string or a list of token ids, got {type(value).__name__}"
+
+
+def _unicode_problem(text: str) -> str | None:
+    """Why `text` is not valid Unicode, or None."""
+    # A str can hold lone surrogates (from a JSON escape such as "\\udcff", or from os.fsdecode of
+    # undecodable bytes); no tokenizer can encode them, so such an item is bad like an empty one.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return (f"the text holds a lone surrogate {text[error.start]!r} at character {error.start}, "
+                "which is not valid Unicode (it has no UTF-8 encoding)")
+    return None
 
 
 def open_prompts(prompts: Any, *, text_field: str = "text", limit: int | None = None) -> PromptSource:

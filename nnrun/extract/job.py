@@ -1,7 +1,8 @@
 """`nnrun.extract`: run prompts through the engine's prefill and store named modules' values in shards.
 
-One job: open the folder (new or resumed), replay the input up to the last complete shard,
-then for each planned shard run its forward batches with hooks on the named modules, write
+One job: open the folder (new or resumed), check what it holds and replay the input up to its
+last intact shard (resume.py: or refuse another input, or extend a complete folder whose input
+grew), then for each planned shard run its forward batches with hooks on the named modules, write
 the shard, and commit it in the manifest. See plan.py for why a resume is byte-identical.
 """
 
@@ -21,10 +22,11 @@ from nnrun.extract.hooks import (ActivationCapture, ModuleSpec, StopForward, gat
                                  resolve_modules)
 from nnrun.extract.identity import config_hash, tokenizer_hash, weights_hash
 from nnrun.extract.inputs import InputError, PromptSource, open_prompts
-from nnrun.extract.manifest import Manifest, SettingsMismatchError
+from nnrun.extract.manifest import Manifest
 from nnrun.extract.plan import HashedRecords, ShardPlan, forward_batches, plan_shards
 from nnrun.extract.prepare import LengthPolicy, PreparedPrompt, prepare_prompts
 from nnrun.extract.progress import ExtractionSummary, Progress
+from nnrun.extract.resume import continue_folder
 from nnrun.extract.shards import ShardBuffer
 
 DEFAULT_SHARD_TOKENS = 32768  # ~8 MB per module at H=128 fp32 ... 256 MB at H=4096 fp16
@@ -147,25 +149,20 @@ class ExtractionJob:
 
     def run(self) -> ExtractionSummary:
         manifest = open_folder(self.out_dir, self.settings(), self.model_info(), self.options.resume)
+        records = continue_folder(self.out_dir, manifest, self.source)
         num_resumed = len(manifest.shards)
         progress = Progress(self.options.progress, self.source.total, initial=manifest.num_consumed)
         summary = None
         try:
-            if not manifest.is_complete:
-                self._extract(manifest, progress)
+            if records is not None:
+                self._extract(manifest, records, progress)
             summary = self._summary(manifest, progress, num_resumed)
         finally:
             progress.close(summary)
         return summary
 
-    def _extract(self, manifest: Manifest, progress: Progress) -> None:
-        records = HashedRecords(self.source.records())
-        is_same_input = records.skip(manifest.num_consumed) and (
-            manifest.num_consumed == 0 or records.hasher.hexdigest() == manifest.input_sha256)
-        if not is_same_input:
-            raise SettingsMismatchError(
-                f"{self.out_dir} was made from an input whose first {manifest.num_consumed} items differ from "
-                "this input's; re-run with the same input, or choose another folder")
+    def _extract(self, manifest: Manifest, records: HashedRecords, progress: Progress) -> None:
+        """Extract the input from `records` (positioned at `manifest.num_consumed`) to its end."""
         prepared = prepare_prompts(records, self.llm.tokenizer, self.llm.vocab_size, self.length_policy)
         with ShardCommitter(self.out_dir, manifest) as committer:
             for plan in plan_shards(prepared, self.options.shard_tokens, manifest.num_consumed):

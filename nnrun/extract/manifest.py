@@ -75,6 +75,27 @@ class Manifest:
         for column, value in zip(PROMPT_COLUMNS, row):
             self.prompts[column].append(value)
 
+    def rewind(self, num_shards: int, num_consumed: int, input_sha256: str) -> None:
+        """Forget the shards from `num_shards` on and the input items from `num_consumed` on (an earlier commit).
+
+        `num_consumed` must lie after the last kept shard's prompts and no later than the next
+        shard's first one, and `input_sha256` must be the InputHasher digest of that many records
+        ("" for none, as in a new manifest).
+        """
+        if not 0 <= num_shards <= len(self.shards):
+            raise ValueError(f"cannot rewind {len(self.shards)} shards to {num_shards}")
+        num_rows = sum(shard.num_prompts for shard in self.shards[:num_shards])
+        if num_rows and self.prompts["index"][num_rows - 1] >= num_consumed:
+            raise ValueError(f"rewinding to {num_consumed} input items would drop prompts of the kept shards")
+        self.shards = self.shards[:num_shards]
+        self.prompts = {column: values[:num_rows] for column, values in self.prompts.items()}
+        self.skipped = [item for item in self.skipped if item["index"] < num_consumed]
+        if not self.shards:
+            self.activation_shapes = {}  # as before the first shard, so the commits that follow write the same text
+        self.num_consumed = num_consumed
+        self.input_sha256 = input_sha256
+        self.is_complete = False
+
     def to_text(self) -> str:
         """Deterministic JSON: one top-level key per line, sorted, values compact."""
         data = asdict(self)
@@ -91,8 +112,11 @@ class Manifest:
             raise ValueError(f"{where} is not valid JSON: {e}") from None
         if not isinstance(data, dict) or data.pop("format", None) != FORMAT:
             raise ValueError(f"{where} is not an nnrun activation manifest (format {FORMAT!r})")
-        data["shards"] = [ShardInfo(**shard) for shard in data["shards"]]
-        return cls(**data)
+        try:
+            data["shards"] = [ShardInfo(**shard) for shard in data["shards"]]
+            return cls(**data)
+        except (KeyError, TypeError) as e:  # an edited manifest: a missing, unknown or mistyped field
+            raise ValueError(f"{where} is not a valid nnrun activation manifest ({type(e).__name__}: {e})") from None
 
     def save(self, directory: Path) -> None:
         """Replace the manifest atomically."""

@@ -83,10 +83,11 @@ class HashedRecords:
     wait in a queue until a commit reaches them.
     """
 
-    def __init__(self, records: Iterable[PromptRecord]) -> None:
+    def __init__(self, records: Iterable[PromptRecord], hasher: InputHasher | None = None) -> None:
         self._records = iter(records)
         self._pending: deque[PromptRecord] = deque()
-        self.hasher = InputHasher()
+        # A resume that starts at record n passes the hasher that has seen the n records before it.
+        self.hasher = hasher if hasher is not None else InputHasher()
 
     def __iter__(self) -> Iterator[PromptRecord]:
         for record in self._records:

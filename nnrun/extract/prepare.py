@@ -72,10 +72,24 @@ def _tokenize_chunk(chunk: list[PromptRecord], tokenizer: Any) -> list[list[int]
         for i, _ in texts:
             result[i] = "a text prompt needs a tokenizer; pass tokenizer= or token id lists"
     elif texts:
-        encoded = tokenizer([text for _, text in texts])["input_ids"]
+        try:
+            encoded = [list(ids) for ids in tokenizer([text for _, text in texts])["input_ids"]]
+        except Exception:
+            # One text the tokenizer rejects fails the whole chunk: find it, so that on_error decides about
+            # that item alone. Tokenizing alone gives the same ids as in a chunk (no padding, no truncation).
+            encoded = [_tokenize_one(text, tokenizer) for _, text in texts]
         for (i, _), token_ids in zip(texts, encoded):
-            result[i] = list(token_ids)
+            result[i] = token_ids
     return result
+
+
+def _tokenize_one(text: str, tokenizer: Any) -> list[int] | str:
+    """The text's token ids, or why the tokenizer failed on it."""
+    try:
+        return list(tokenizer([text])["input_ids"][0])
+    except Exception as error:  # any tokenizer's failure on an input is that item's problem, not the job's
+        message = f"{type(error).__name__}: {error}".encode("utf-8", "backslashreplace").decode("utf-8")
+        return f"the tokenizer failed: {message}"
 
 
 def _check(record: PromptRecord, token_ids: list[int] | str | None, vocab_size: int,

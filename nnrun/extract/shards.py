@@ -42,6 +42,11 @@ def shard_file_name(shard: int) -> str:
     return f"shard-{shard:05d}.safetensors"
 
 
+def dtype_code(dtype: torch.dtype | None) -> str | None:
+    """safetensors' name of a dtype ("F32"), or None for one it cannot store."""
+    return _DTYPE_CODES.get(dtype)
+
+
 class ShardBuffer:
     """The prompts of one shard, gathered forward batch by forward batch."""
 

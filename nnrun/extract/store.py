@@ -14,13 +14,21 @@ from safetensors import safe_open
 from nnrun.extract.manifest import Manifest
 from nnrun.extract.shards import TOKEN_IDS_KEY, activation_key
 from nnrun.extract.stream import TokenActivationStream
+from nnrun.extract.verify import verify_folder
 
 _MAX_OPEN_SHARDS = 64  # open safe_open handles kept; each holds a file descriptor and a mapping
 
 
-def load_activations(out_dir: str | Path) -> "ActivationStore":
-    """Open an extraction folder written by `nnrun.extract` (complete or not) for reading."""
-    return ActivationStore(out_dir)
+def load_activations(out_dir: str | Path, verify: bool = False) -> "ActivationStore":
+    """Open an extraction folder written by `nnrun.extract` (complete or not) for reading.
+
+    `verify=True` first reads every shard in full and checks it against the manifest (size,
+    sha256, the prompt table's offsets), raising DamagedFolderError that names each bad file.
+    """
+    store = ActivationStore(out_dir)
+    if verify:
+        verify_folder(store.out_dir, store.manifest)
+    return store
 
 
 class ActivationStore:
