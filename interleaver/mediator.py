@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from greenlet import getcurrent
 
 from nnsight.intervention.eproperty import eproperty
 from nnsight.intervention.interleaver import Event, Interleaver, Mediator
+from nnsight.util import apply
 
 from interleaver.batcher import InvalidWriteError, PackedBatcher
 
@@ -61,7 +63,14 @@ def original_error(error: BaseException) -> BaseException:
 
 
 class PackedMediator(Mediator):
-    """A mediator whose reads may be gathered copies and whose writes are shape-checked."""
+    """A mediator whose reads may be gathered copies and whose writes are shape-checked.
+
+    `edited_at` is the last location this block changed in the current step (an assignment, a
+    skip, or an in-place edit of a value it was served): if the step fails, the blocks that
+    edited it are the ones to blame (see `NNsightGPUModelRunner.requests_to_blame`).
+    """
+
+    edited_at: str | None = None
 
     def handle(self, provider: str, value: Any) -> Any:
         """Serve this worker's events parked on this visit (the protocol of `Mediator.handle`)."""
@@ -76,7 +85,12 @@ class PackedMediator(Mediator):
                 self.iteration = None
             if pending.event is Event.VALUE:
                 served = batcher.narrow(value, group)
-                self.pending = self.switch(served)
+                versions = _versions(served)
+                try:
+                    self.pending = self.switch(served)
+                finally:
+                    if _versions(served) != versions:  # an in-place edit bumps the version counter
+                        self.edited_at = provider
                 batcher.scatter_back(value, group, served)
             elif pending.event is Event.SWAP:
                 try:
@@ -84,6 +98,7 @@ class PackedMediator(Mediator):
                 except InvalidWriteError as error:
                     self.pending = self.throw(error)
                 else:
+                    self.edited_at = provider
                     self.pending = self.switch()
             elif pending.event is Event.SKIP:
                 try:
@@ -91,6 +106,7 @@ class PackedMediator(Mediator):
                 except InvalidWriteError as error:
                     self.pending = self.throw(error)
                 else:
+                    self.edited_at = provider
                     self.pending = self.switch()
             else:
                 break
@@ -117,6 +133,13 @@ class PackedMediator(Mediator):
             if isinstance(raised, Exception):
                 raise
             raise BlockInterrupt(raised) from None
+
+
+def _versions(value: Any) -> list[int]:
+    """The version counters of the tensors in a served value (views share their base's counter)."""
+    found: list[int] = []
+    apply(value, lambda tensor: found.append(tensor._version), torch.Tensor)
+    return found
 
 
 class PackedInterleaver(Interleaver):

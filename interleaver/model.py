@@ -127,9 +127,10 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         prompts: dict[str, list[int]] = {}
         params: dict[str, SamplingParams] = {}
         for invoke in invokes:
-            _check_kwargs("invoke", invoke.kwargs, GENERATE_KWARGS if kind == "generate" else ())
+            if invoke.prompts is None:
+                invoke.prompts = self._invoke_prompts(kind, invoke.inputs, invoke.kwargs)
             ids = []
-            for prompt in self._prompts(invoke.inputs):
+            for prompt in invoke.prompts:
                 request_id = f"nnsight-{seq}-{next(_request_seq)}"
                 prompts[request_id] = prompt
                 params[request_id] = self._sampling_params(kind, {**trace_kwargs, **invoke.kwargs}, len(prompt))
@@ -173,6 +174,11 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         return pad_sequences(sequences, [len(p) for p in prompts], self._pad_token_id())
 
     # ---- inputs and sampling --------------------------------------------------------------
+    def _invoke_prompts(self, kind: str, inputs: tuple, kwargs: dict) -> list[list[int]]:
+        """An invoke's prompts as token ids, after checking its keywords."""
+        _check_kwargs("invoke", kwargs, GENERATE_KWARGS if kind == "generate" else ())
+        return self._prompts(inputs)
+
     def _prompts(self, inputs: tuple) -> list[list[int]]:
         """An invoke's input as token-id lists: a string, token ids, a tensor, or a list of those."""
         if not inputs:

@@ -134,6 +134,7 @@ class NNsightRequestHelper:
                 continue
             group = PackedGroup([p[0] for p in present], [p[1] for p in present], [p[2] for p in present])
             invocation.mediator.batch_group = group
+            invocation.mediator.edited_at = None
             scheduled.append(invocation)
         scheduled.sort(key=lambda inv: (inv.job.seq, inv.index))
         self.step_invocations = scheduled
@@ -166,6 +167,10 @@ class NNsightRequestHelper:
                 mediator.exception = as_block_error(error)
         interleaver.mediators = [inv.mediator for inv in invocations if _is_serving(inv.mediator)]
         interleaver.reindex()
+
+    def editors_in_step(self) -> list[Invocation]:
+        """The step's invocations whose blocks changed a value of the forward."""
+        return [inv for inv in self.step_invocations if inv.mediator.edited_at is not None]
 
     def keep_running(self) -> bool:
         """Narrow the interleaver to workers still parked; True if any is."""

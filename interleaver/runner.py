@@ -43,6 +43,7 @@ class NNsightGPUModelRunner(ModelRunner):
 
     def load_model(self) -> None:
         super().load_model()
+        self._counts_before_step: dict[str, int] = {}
         batcher = PackedBatcher(_module_path(self.model, self.model.get_output_embeddings()))
         batcher.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.interleaver = PackedInterleaver(batcher)
@@ -70,11 +71,31 @@ class NNsightGPUModelRunner(ModelRunner):
         self.interleaver.batcher.set_step(forward_batch.num_tokens, int(forward_batch.logits_indices.numel()),
                                           forward_batch.batch_size)
         self.interleaver.mediators = []
+        self._counts_before_step = dict(self.interleaver.counts)
         with self.interleaver:
             helper.start(invocations)
             logits = self.run_model(forward_batch)  # [R, V]
         self._keep_trace_outputs(forward_batch, logits)
         return self.process_logits(logits, forward_batch)
+
+    def requests_to_blame(self, reqs: list[Request]) -> list[Request]:
+        """After a failed step: the requests whose blocks edited one of its values, which the engine ends.
+
+        The step then runs once more without them. Blocks that only read are not to blame: their
+        workers are parked further on, and the visit counts go back to where the step began, so
+        the re-run serves each of them the locations it still waits for, once.
+        """
+        helper = self.nnsight_requests
+        if not helper.step_invocations:
+            return []
+        editors = helper.editors_in_step()
+        for invocation in editors:
+            invocation.mediator.batch_group = None
+        helper.step_invocations = []
+        self.interleaver.mediators = []
+        self.interleaver.counts = dict(self._counts_before_step)
+        blamed = {request_id: inv.mediator.edited_at for inv in editors for request_id in inv.request_ids}
+        return [req for req in reqs if req.request_id in blamed]
 
     def grad_context(self, forward_batch: ForwardBatch) -> AbstractContextManager:
         """Autograd for a step whose trace asked for gradients (the KV pool stores detached values)."""

@@ -39,16 +39,19 @@ class PendingInvoke:
     mediator: PackedMediator
     inputs: tuple
     kwargs: dict = field(default_factory=dict)
+    prompts: list[list[int]] | None = None  # the inputs as token ids, once checked
 
 
 class NNrunInvoker(Invoker):
     """`tracer.invoke(...)`: records its body as a mediator on the trace (not on the model)."""
 
     def execute(self, code: CodeType) -> None:
+        # Checked here, so a bad input's traceback ends at this invoke's line, not the trace's.
+        prompts = self.tracer.envoy._invoke_prompts(self.tracer.fn, self.args, self.kwargs)
         frame = self.info.frame
         mediator = PackedMediator(code, frame.f_globals, dict(frame.f_locals), node=self.node,
                                   shared=shared_locals(frame))
-        self.tracer.pending_invokes.append(PendingInvoke(mediator, self.args, self.kwargs))
+        self.tracer.pending_invokes.append(PendingInvoke(mediator, self.args, self.kwargs, prompts))
 
 
 class NNrunTracer(InterleavingTracer):

@@ -6,6 +6,7 @@ import itertools
 import logging
 import queue
 import threading
+from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
@@ -86,6 +87,7 @@ class LLM:
         self._aborts: dict[str, BaseException] = {}  # request id -> the error its caller gets
         self._wakeup = threading.Condition()
         self._stopping = False
+        self._num_pauses = 0  # > 0 while a caller holds the engine between steps (`paused()`)
         self._thread: threading.Thread | None = None
 
     # ---- public API -----------------------------------------------------------------------
@@ -150,6 +152,28 @@ class LLM:
                 "larger pool (max_total_tokens)"
             )
 
+    @property
+    def num_requests_in_flight(self) -> int:
+        """Requests submitted and not yet finished (thread-safe)."""
+        with self._wakeup:
+            return len(self._handles)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the engine between steps: requests submitted meanwhile enter the same next step.
+
+        The step running when this is entered completes first. Used to co-schedule requests on
+        purpose (tests of isolation, fair batching by a server).
+        """
+        with self._wakeup:
+            self._num_pauses += 1
+        try:
+            yield
+        finally:
+            with self._wakeup:
+                self._num_pauses -= 1
+                self._wakeup.notify_all()
+
     def abort(self, request_ids: Iterable[str], error: BaseException | None = None) -> None:
         """End these requests at the next step boundary (thread-safe; unknown or finished ids are ignored).
 
@@ -162,6 +186,7 @@ class LLM:
             self._wakeup.notify()
 
     def shutdown(self) -> None:
+        self.check_not_engine_thread("shutdown()")
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify_all()
@@ -252,7 +277,8 @@ class LLM:
     def _loop(self) -> None:
         while True:
             with self._wakeup:
-                while not self._inbox and not self._aborts and not self.core.has_unfinished and not self._stopping:
+                while not self._stopping and (self._num_pauses or not (
+                        self._inbox or self._aborts or self.core.has_unfinished)):
                     self._wakeup.wait()
                 if self._stopping:
                     self._publish(self.core.abort_all(RuntimeError("the engine was shut down")))

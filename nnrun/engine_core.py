@@ -16,6 +16,10 @@ from nnrun.stop import StopChecker
 logger = logging.getLogger(__name__)
 
 
+class StepFailedError(RuntimeError):
+    """A step failed after this request's own code changed one of its values; the step ran again without it."""
+
+
 class EngineCore:
     """Drives the runner with the scheduler; knows nothing about threads or callers."""
 
@@ -41,26 +45,51 @@ class EngineCore:
                 self._finish(finished)
                 return [], finished
             reqs = batch.reqs
-            if batch.forward_mode is ForwardMode.DECODE:
-                forward_batch = self.runner.prepare_forward_batch_decode(reqs)
-            else:
-                forward_batch = self.runner.prepare_forward_batch_extend(reqs)
             try:
-                logits_output = self.runner.forward(forward_batch)
-                sampler_output = self.runner.sample(logits_output, forward_batch)
-                for row, reason in sampler_output.row_errors.items():
-                    reqs[row].fail(ValueError(f"request {reqs[row].request_id}: {reason}"))
-                self._record_prompt_logprobs(reqs, logits_output)
-                token_logprobs = self._token_logprobs(reqs, sampler_output)
-                next_ids = sampler_output.token_ids.tolist()
+                ran, (next_ids, token_logprobs) = self._run_isolated(reqs, batch.forward_mode)
             except BaseException as error:  # a failure of the step itself: its requests end, the engine goes on
                 logger.exception("engine step failed")
                 finished += self.scheduler.fail_requests(reqs, error)
             else:
-                finished += self.scheduler.process_batch_result(reqs, next_ids, token_logprobs)
+                blamed = [req for req in reqs if req not in ran]
+                finished += self.scheduler.fail_requests(blamed, RuntimeError("the step failed"))
+                finished += self.scheduler.process_batch_result(ran, next_ids, token_logprobs)
             finished += self._drain_scheduler_failures()
             self._finish(finished)
             return reqs, finished
+
+    def _run_isolated(self, reqs: list[Request], mode: ForwardMode) -> tuple[list[Request], tuple[list, list]]:
+        """Run the step; if it fails, end the requests whose own code is to blame and run it again without them.
+
+        Returns the requests that ran and their (token ids, logprobs). A failure nobody is to blame
+        for (or that all of the step is to blame for) propagates: it is the engine's.
+        """
+        try:
+            return reqs, self._run_batch(reqs, mode)
+        except BaseException as error:
+            blamed = self.runner.requests_to_blame(reqs)
+            if not blamed or len(blamed) == len(reqs):
+                raise
+            for req in blamed:
+                req.fail(StepFailedError(f"the engine step failed after request {req.request_id}'s intervention "
+                                         f"edited a value of the forward: {type(error).__name__}: {error}"))
+            logger.warning("a step failed after %d request(s) edited it (%s); running it again without them",
+                           len(blamed), error)
+            rest = [req for req in reqs if req not in blamed]
+            return rest, self._run_batch(rest, mode)
+
+    def _run_batch(self, reqs: list[Request], mode: ForwardMode) -> tuple[list[int], list[dict[int, float] | None]]:
+        """Forward and sample one batch -> (next token ids, their logprobs), in batch order."""
+        if mode is ForwardMode.DECODE:
+            forward_batch = self.runner.prepare_forward_batch_decode(reqs)
+        else:
+            forward_batch = self.runner.prepare_forward_batch_extend(reqs)
+        logits_output = self.runner.forward(forward_batch)
+        sampler_output = self.runner.sample(logits_output, forward_batch)
+        for row, reason in sampler_output.row_errors.items():
+            reqs[row].fail(ValueError(f"request {reqs[row].request_id}: {reason}"))
+        self._record_prompt_logprobs(reqs, logits_output)
+        return sampler_output.token_ids.tolist(), self._token_logprobs(reqs, sampler_output)
 
     def abort_requests(self, errors: dict[str, BaseException]) -> list[Request]:
         """Finish the named requests now (those still waiting or running); returns them."""

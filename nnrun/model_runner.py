@@ -324,6 +324,13 @@ class ModelRunner:
             logits[row, [t for t in stops if 0 <= t < logits.shape[-1]]] = float("-inf")
         return logits
 
+    def requests_to_blame(self, reqs: list[Request]) -> list[Request]:
+        """After a failed step: the requests whose own code caused it (to end them and re-run the rest).
+
+        The plain engine runs no user code in a step, so nothing is to blame but the engine.
+        """
+        return []
+
     def finish_requests(self, reqs: list[Request]) -> None:
         """Called by the engine once requests have finished; subclasses collect per-request results."""
 
