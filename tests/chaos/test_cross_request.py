@@ -225,3 +225,32 @@ def test_a_trace_larger_than_the_kv_pool_is_refused():
         assert hidden.shape[0] == 3
     finally:
         model.shutdown()
+
+
+# ---- all of it at once -----------------------------------------------------------------------------
+HOSTILE_BODIES = [
+    lambda model: model.model.layers[1].output.__setitem__(slice(None), float("nan")),
+    lambda model: model.samples.__setitem__(slice(None), 10 ** 6),
+    lambda model: setattr(model.model.layers[0], "output", "not a tensor"),
+    lambda model: (_ for _ in ()).throw(KeyboardInterrupt()),
+    lambda model: model.engine.generate(["Paris"]),
+    lambda model: setattr(model.model.embed_tokens, "input", torch.full((1, 5), 10 ** 6)),
+]
+
+
+def test_rounds_of_mixed_hostile_traces_leave_innocents_exact(tiny_facts, clean_after):
+    """Every hostile behaviour at once, in the same steps as innocent generations, for a few rounds."""
+    model = tiny_facts.model
+
+    def hostile(body):
+        def run():
+            with model.generate("The Louvre is in", max_new_tokens=4) as tracer:
+                for _ in tracer.all():
+                    body(model)
+        return run
+
+    for _ in range(3):  # bounded: three rounds of six hostile traces beside three innocents
+        results = co_scheduled(model.engine, innocents(tiny_facts) + [hostile(b) for b in HOSTILE_BODIES], 9)
+        check_innocents(tiny_facts, results[:3])
+        assert all(isinstance(error, BaseException) for error in results[4:])  # all but the NaN writer fail
+        assert isinstance(results[6], KeyboardInterrupt)
