@@ -21,6 +21,7 @@ from nnsight.intervention.interleaver import Event, Interleaver, Mediator
 from nnsight.util import apply
 
 from interleaver.batcher import InvalidWriteError, PackedBatcher
+from interleaver.block_interrupt import RunningBlocks
 
 
 class ServedValues:
@@ -115,24 +116,35 @@ class PackedMediator(Mediator):
 
     def switch(self, *args: Any) -> Any:
         """Resume the worker; whatever it raises reaches the engine as an `Exception`."""
+        return self._run_block(super().switch, *args)
+
+    def _run_block(self, resume: Any, *args: Any) -> Any:
+        """Run the block until it parks, as the engine thread's interruptible running block."""
+        blocks = self.interleaver.running_blocks
+        blocks.enter(self)
         try:
-            return super().switch(*args)
+            try:
+                return resume(*args)
+            finally:
+                blocks.leave(self)
         except Exception:
             raise
         except BaseException as raised:
+            blocks.leave(self)  # an interrupt may have landed in the first leave(), before it took the lock
             raise BlockInterrupt(raised) from None
 
     def throw(self, error: BaseException) -> Any:
         """Raise `error` inside the worker at the line it is parked on; return its next park."""
         self.worker.parent = getcurrent()
+        return self._run_block(self._throw_into_worker, error)
+
+    def _throw_into_worker(self, error: BaseException) -> Any:
         try:
             return self.worker.throw(error)
         except BaseException as raised:
             if not hasattr(raised, "__intervention_tb__"):
                 raised.__intervention_tb__ = raised.__traceback__
-            if isinstance(raised, Exception):
-                raise
-            raise BlockInterrupt(raised) from None
+            raise
 
 
 def _versions(value: Any) -> list[int]:
@@ -149,6 +161,7 @@ class PackedInterleaver(Interleaver):
         super().__init__()
         self.batcher = batcher
         self.defer_exceptions = True  # one request's error ends that request, not the step
+        self.running_blocks = RunningBlocks()
 
     def handle(self, provider: str, value: Any) -> Any:
         batcher = self.batcher

@@ -164,6 +164,8 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
                                                "its blocks")
         except BaseException:  # Ctrl-C while waiting: end the trace's requests, free their KV and blocks
             engine.abort(list(job.requests))
+            # A block still running (a loop) would hold the engine thread, so the abort would never be seen.
+            engine.runner.interleaver.running_blocks.interrupt([inv.mediator for inv in job.invocations])
             raise
 
     def _generate_plain(self, inputs: tuple, kwargs: dict) -> torch.Tensor:

@@ -34,6 +34,12 @@ def innocents(tiny_facts) -> list:
     return [lambda p=p: engine.generate([p], tiny_facts.params)[0].outputs[0].token_ids for p in INNOCENT_PROMPTS]
 
 
+def run_innocents_now(tiny_facts) -> list:
+    """The innocents again, after the hostile trace: bounded, so a stuck engine fails instead of hanging."""
+    handles = [tiny_facts.model.engine.submit(p, tiny_facts.params) for p in INNOCENT_PROMPTS]
+    return [handle.result(timeout=WAIT_S).outputs[0].token_ids for handle in handles]
+
+
 def check_innocents(tiny_facts, results: list) -> None:
     assert results == [tiny_facts.solo(p) for p in INNOCENT_PROMPTS]
 
@@ -147,7 +153,7 @@ def test_a_base_exception_in_a_block_reaches_its_caller_and_the_engine_serves_on
     *results, error = co_scheduled(model.engine, innocents(tiny_facts) + [hostile], 4)
     check_innocents(tiny_facts, results)
     assert error is raised
-    check_innocents(tiny_facts, [f() for f in innocents(tiny_facts)])  # and later requests too
+    check_innocents(tiny_facts, run_innocents_now(tiny_facts))  # and later requests too
 
 
 def test_ctrl_c_while_waiting_on_a_trace_aborts_it_and_keeps_the_engine(tiny_facts, clean_after):
@@ -173,7 +179,7 @@ def test_ctrl_c_while_waiting_on_a_trace_aborts_it_and_keeps_the_engine(tiny_fac
                 time.sleep(0.05)
     interrupter.join(WAIT_S)
     assert time.monotonic() - started < 4, "the interrupt did not stop the wait promptly"
-    check_innocents(tiny_facts, [f() for f in innocents(tiny_facts)])
+    check_innocents(tiny_facts, run_innocents_now(tiny_facts))
 
 
 # ---- 4. nested traces and engine calls -----------------------------------------------------------
@@ -254,3 +260,27 @@ def test_rounds_of_mixed_hostile_traces_leave_innocents_exact(tiny_facts, clean_
         check_innocents(tiny_facts, results[:3])
         assert all(isinstance(error, BaseException) for error in results[4:])  # all but the NaN writer fail
         assert isinstance(results[6], KeyboardInterrupt)
+
+
+def test_ctrl_c_on_a_trace_whose_block_loops_forever_frees_the_engine(tiny_facts, clean_after):
+    """The block holds the engine thread; Ctrl-C must stop the block itself, not only the wait."""
+    model = tiny_facts.model
+    engine = model.engine
+    assert threading.current_thread() is threading.main_thread()
+
+    def interrupt_once_running() -> None:
+        deadline = time.monotonic() + 30
+        while engine.num_requests_in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_once_running, daemon=True)
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt):
+        with model.trace("The Louvre is in"):
+            hidden = model.model.layers[1].output
+            while True:  # a user's bug: the block never returns
+                hidden = hidden + 0
+    interrupter.join(WAIT_S)
+    check_innocents(tiny_facts, run_innocents_now(tiny_facts))
