@@ -12,18 +12,25 @@ from nnrun.forward_batch import ForwardBatch, ForwardMode
 
 
 @dataclass
-class _ExtendRequest:
-    q_start: int
-    q_len: int
+class _ExtendGroup:
+    """Requests of one shape (prefix length, new tokens): attended in one batched kernel call."""
+
     prefix_len: int
-    kv_slots: torch.Tensor  # [seq_len] int64 on the device
+    q_len: int
+    q_starts: list[int]  # where each request's new tokens start in the flat batch
+    token_indices: torch.Tensor | None  # [G * q_len] int64 the group's new tokens (None: one request, sliced)
+    kv_slots: torch.Tensor | None  # [G, prefix_len + q_len] int64; None when the KV is all this step's
+
+    @property
+    def size(self) -> int:
+        return len(self.q_starts)
 
 
 @dataclass
 class _TorchMetadata:
     out_cache_loc: torch.Tensor  # [N]
     mode: ForwardMode
-    extend_reqs: list[_ExtendRequest]
+    extend_groups: list[_ExtendGroup]
     decode_slots: torch.Tensor | None  # [B, max_seq_len] int64 (padding points at slot 0, then zeroed)
     decode_seq_lens: torch.Tensor | None  # [B] int64
 
@@ -31,8 +38,9 @@ class _TorchMetadata:
 class TorchAttnBackend(AttentionBackend):
     """Attention of each request's new tokens over its cached prefix and themselves.
 
-    Extend steps loop over requests (each one causal, bottom-right aligned); decode steps gather
-    every request's KV into one padded batch. Softmax runs in float32 when a softcap is present
+    Extend steps batch requests of equal (prefix, length) shape into one call each (causal,
+    bottom-right aligned), as HF's padded batch would for equal prompts; decode steps gather every
+    request's KV into one padded batch. Softmax runs in float32 when a softcap is present
     (as HF's eager path does); otherwise torch's SDPA kernel does the work.
     """
 
@@ -51,14 +59,8 @@ class TorchAttnBackend(AttentionBackend):
                 torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
             )
             return
-        extend_reqs = [
-            _ExtendRequest(start, q_len, prefix, slots.to(self.device))
-            for start, q_len, prefix, slots in zip(
-                forward_batch.extend_start_loc, forward_batch.extend_seq_lens,
-                forward_batch.prefix_lens, forward_batch.kv_slots,
-            )
-        ]
-        self.metadata = _TorchMetadata(out_cache_loc, ForwardMode.EXTEND, extend_reqs, None, None)
+        groups = _extend_groups(forward_batch, self.device)
+        self.metadata = _TorchMetadata(out_cache_loc, ForwardMode.EXTEND, groups, None, None)
 
     def forward(self, layer_idx, q, k, v, scaling, sliding_window, softcap):
         meta = self.metadata
@@ -67,13 +69,27 @@ class TorchAttnBackend(AttentionBackend):
             return self._decode(layer_idx, q, scaling, sliding_window, softcap)
         k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))  # [N, Hq, Dv]
-        for req in meta.extend_reqs:
-            q_slice = slice(req.q_start, req.q_start + req.q_len)
-            if req.prefix_len == 0:  # the whole KV is this step's: skip the gather
-                req_k, req_v = k[q_slice], v[q_slice]
+        for group in meta.extend_groups:
+            num, q_len = group.size, group.q_len
+            if group.token_indices is None:  # one request: plain slices, no gather
+                tokens = slice(group.q_starts[0], group.q_starts[0] + q_len)
+                group_q, new_k, new_v = q[tokens][None], k[tokens][None], v[tokens][None]  # [1, n, H, D]
             else:
-                req_k, req_v = k_flat[req.kv_slots], v_flat[req.kv_slots]
-            out[q_slice] = _attend(q[q_slice], req_k, req_v, req.prefix_len, scaling, sliding_window, softcap)
+                index = group.token_indices
+                group_q = q.index_select(0, index).view(num, q_len, *q.shape[1:])  # [G, n, Hq, D]
+                new_k = k.index_select(0, index).view(num, q_len, *k.shape[1:])  # [G, n, Hkv, D]
+                new_v = v.index_select(0, index).view(num, q_len, *v.shape[1:])  # [G, n, Hkv, Dv]
+            if group.kv_slots is None:  # the whole KV is this step's: skip the pool
+                keys, values = new_k, new_v
+            else:
+                slots = group.kv_slots.flatten()
+                keys = k_flat.index_select(0, slots).view(*group.kv_slots.shape, *k_flat.shape[1:])  # [G, L, Hkv, D]
+                values = v_flat.index_select(0, slots).view(*group.kv_slots.shape, *v_flat.shape[1:])
+            attended = _attend(group_q, keys, values, group.prefix_len, scaling, sliding_window, softcap)  # [G, n, Hq, Dv]
+            if group.token_indices is None:
+                out[tokens] = attended[0]
+            else:
+                out.index_copy_(0, group.token_indices, attended.reshape(num * q_len, *attended.shape[2:]))
         return out
 
     def _decode(self, layer_idx, q, scaling, sliding_window, softcap):
@@ -110,9 +126,27 @@ class TorchAttnBackend(AttentionBackend):
         return out.reshape(batch, num_q_heads, -1).to(q.dtype)
 
 
+def _extend_groups(forward_batch: ForwardBatch, device: torch.device) -> list[_ExtendGroup]:
+    """The step's requests grouped by (prefix length, new tokens), in order of first appearance."""
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for row, shape in enumerate(zip(forward_batch.prefix_lens, forward_batch.extend_seq_lens)):
+        by_shape.setdefault(shape, []).append(row)
+    groups = []
+    for (prefix_len, q_len), rows in by_shape.items():
+        starts = [forward_batch.extend_start_loc[row] for row in rows]
+        token_indices = None
+        if len(rows) > 1:
+            token_indices = (torch.tensor(starts)[:, None] + torch.arange(q_len)).flatten().to(device)  # [G * n]
+        kv_slots = None
+        if prefix_len > 0:
+            kv_slots = torch.stack([forward_batch.kv_slots[row] for row in rows]).to(device)  # [G, L]
+        groups.append(_ExtendGroup(prefix_len, q_len, starts, token_indices, kv_slots))
+    return groups
+
+
 def _attend(q, k, v, prefix_len, scaling, sliding_window, softcap):
-    """One request: q [n, Hq, D] at positions prefix_len.., k/v [L, Hkv, D] at positions 0..L-1."""
-    q_len, kv_len = q.shape[0], k.shape[0]
+    """G requests of one shape: q [G, n, Hq, D] at positions prefix_len.., k/v [G, L, Hkv, D] at 0..L-1."""
+    q_len, kv_len = q.shape[1], k.shape[1]
     needs_mask = prefix_len > 0 or (sliding_window is not None and sliding_window < kv_len)
     allowed = None
     if needs_mask:
@@ -123,17 +157,17 @@ def _attend(q, k, v, prefix_len, scaling, sliding_window, softcap):
             allowed &= kv_pos > q_pos - sliding_window
     if softcap is None:
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=allowed, is_causal=allowed is None and q_len > 1, scale=scaling,
-            enable_gqa=q.shape[1] != k.shape[1],
-        )  # [1, Hq, n, Dv]
-        return out[0].transpose(0, 1)
-    num_q_heads, num_kv_heads = q.shape[1], k.shape[1]
-    grouped_q = q.view(q_len, num_kv_heads, num_q_heads // num_kv_heads, q.shape[2])  # [n, Hkv, G, D]
-    scores = torch.einsum("nkgd,lkd->kgnl", grouped_q.float(), k.float()) * scaling  # [Hkv, G, n, L]
+            enable_gqa=q.shape[2] != k.shape[2],
+        )  # [G, Hq, n, Dv]
+        return out.transpose(1, 2)
+    num, num_q_heads, num_kv_heads = q.shape[0], q.shape[2], k.shape[2]
+    grouped_q = q.view(num, q_len, num_kv_heads, num_q_heads // num_kv_heads, q.shape[3])  # [G, n, Hkv, R, D]
+    scores = torch.einsum("bnkrd,blkd->bkrnl", grouped_q.float(), k.float()) * scaling  # [G, Hkv, R, n, L]
     scores = torch.tanh(scores / softcap) * softcap
     if allowed is None:
         allowed = torch.ones((q_len, kv_len), dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.einsum("kgnl,lkd->nkgd", scores.softmax(dim=-1), v.float())  # [n, Hkv, G, Dv]
-    return out.reshape(q_len, num_q_heads, -1).to(q.dtype)
+    out = torch.einsum("bkrnl,blkd->bnkrd", scores.softmax(dim=-1), v.float())  # [G, n, Hkv, R, Dv]
+    return out.reshape(num, q_len, num_q_heads, -1).to(q.dtype)
