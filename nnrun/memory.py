@@ -92,10 +92,12 @@ class LayerKVShape:
 
 
 class KVPool:
-    """Per-layer K and V pages, NHD layout `[num_pages + 1, page_size, num_kv_heads, head_dim]`.
+    """Per-layer K and V pages, NHD layout `[num_pages + 2, page_size, num_kv_heads, head_dim]`.
 
-    Pages `0..num_pages-1` are the allocator's. One more page, `trash_page`, is never handed out:
-    the padded rows of a replayed CUDA graph write their K/V there and attend over it.
+    Pages `0..num_pages-1` are the allocator's. Two more are never handed out: `trash_page`, where
+    the padded rows of a replayed CUDA graph write their K/V and attend; and `zero_page`, which
+    nothing ever writes, so padding that points at it reads keys and values of exactly zero: a
+    masked zero key scores -inf and its zero value adds nothing, whatever the rest of the pool holds.
     """
 
     def __init__(self, layer_shapes: list[LayerKVShape], num_pages: int, page_size: int,
@@ -103,18 +105,23 @@ class KVPool:
         self.page_size = page_size
         self.num_pages = num_pages
         self.trash_page = num_pages
+        self.zero_page = num_pages + 1
         self.k_pages = [
-            torch.zeros((num_pages + 1, page_size, s.num_kv_heads, s.head_dim), dtype=dtype, device=device)
+            torch.zeros((num_pages + 2, page_size, s.num_kv_heads, s.head_dim), dtype=dtype, device=device)
             for s in layer_shapes
         ]
         self.v_pages = [
-            torch.zeros((num_pages + 1, page_size, s.num_kv_heads, s.v_head_dim), dtype=dtype, device=device)
+            torch.zeros((num_pages + 2, page_size, s.num_kv_heads, s.v_head_dim), dtype=dtype, device=device)
             for s in layer_shapes
         ]
 
     @property
     def trash_slot(self) -> int:
         return self.trash_page * self.page_size
+
+    @property
+    def zero_slot(self) -> int:
+        return self.zero_page * self.page_size
 
     @property
     def num_layers(self) -> int:

@@ -31,7 +31,7 @@ class _TorchMetadata:
     out_cache_loc: torch.Tensor  # [N]
     mode: ForwardMode
     extend_groups: list[_ExtendGroup]
-    decode_slots: torch.Tensor | None  # [B, max_seq_len] int64 (padding points at slot 0, then zeroed)
+    decode_slots: torch.Tensor | None  # [B, max_seq_len] int64 (padding points at the pool's zero page)
     decode_seq_lens: torch.Tensor | None  # [B] int64
 
 
@@ -51,7 +51,8 @@ class TorchAttnBackend(AttentionBackend):
         if forward_batch.forward_mode is ForwardMode.DECODE:
             seq_lens = forward_batch.seq_lens
             max_len = max(seq_lens)
-            padded = torch.zeros((len(seq_lens), max_len), dtype=torch.int64)  # [B, max_seq_len]
+            # Padding reads the zero page, never another request's or a freed page's KV (0 * NaN is NaN).
+            padded = torch.full((len(seq_lens), max_len), self.kv_pool.zero_slot, dtype=torch.int64)  # [B, max_len]
             for row, slots in enumerate(forward_batch.kv_slots):
                 padded[row, : slots.numel()] = slots
             self.metadata = _TorchMetadata(
@@ -103,12 +104,6 @@ class TorchAttnBackend(AttentionBackend):
         allowed = kv_pos[None, :] <= q_pos  # [B, L]
         if sliding_window is not None:
             allowed &= kv_pos[None, :] > q_pos - sliding_window
-        # Padding rows read whatever sits in slot 0 (another request's KV, or a freed page's), and a
-        # masked score still multiplies its value: 0 * NaN is NaN. Selecting zeros instead makes
-        # masked positions contribute exactly nothing, whatever the pool holds.
-        keep = allowed[:, :, None, None]  # [B, L, 1, 1]
-        keys = torch.where(keep, keys, keys.new_zeros(()))
-        values = torch.where(keep, values, values.new_zeros(()))
         batch, num_q_heads, head_dim = q.shape
         num_kv_heads = keys.shape[2]
         if softcap is None:

@@ -1,7 +1,7 @@
 """Masked and padding positions contribute exactly nothing, whatever sits in the KV pool.
 
-Every slot of the pool (free pages, the stale tail of a request's last page, the padding rows
-of a decode step) is filled with NaN or inf before the engine runs: a request only ever writes
+Every slot a request or a graph can write (free pages, the stale tail of a request's last page,
+the trash page) is filled with NaN or inf before the engine runs: a request only ever writes
 its own slots, so if attention reads nothing else, tokens and logprobs are bitwise those of a
 clean pool. Run for the torch backend and for the FlashInfer backend over its CPU emulator.
 """
@@ -23,8 +23,15 @@ PARAMS = nnrun.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, log
 
 
 def poison(llm: nnrun.LLM, value: float) -> None:
-    for pages in llm.runner.kv_pool.k_pages + llm.runner.kv_pool.v_pages:
-        pages.fill_(value)
+    """Every page a request or a graph can write: the allocator's and the trash page (not the zero page)."""
+    pool = llm.runner.kv_pool
+    for pages in pool.k_pages + pool.v_pages:
+        pages[: pool.zero_page].fill_(value)
+
+
+def zero_page_is_zero(llm: nnrun.LLM) -> bool:
+    pool = llm.runner.kv_pool
+    return all(bool((pages[pool.zero_page] == 0).all()) for pages in pool.k_pages + pool.v_pages)
 
 
 def run(family: str, backend: str, poison_value: float | None) -> list:
@@ -54,6 +61,7 @@ def run(family: str, backend: str, poison_value: float | None) -> list:
         assert not llm.core.has_unfinished
         llm.runner.allocator.free(stale_pages)
         llm.runner.allocator.check_no_leaks()
+        assert zero_page_is_zero(llm), "something wrote into the zero page that padding reads"
     return [(req.output_token_ids, req.output_logprobs) for req in first + second]
 
 
@@ -74,3 +82,4 @@ def test_nan_left_in_freed_pages_by_a_trace_does_not_reach_later_requests(tiny_f
     prompts = ["The Colosseum is in", "The Eiffel Tower is in", "Paris"]
     outputs = model.engine.generate(prompts, tiny_facts.params)
     assert [o.outputs[0].token_ids for o in outputs] == [solo(p) for p in prompts]
+    assert zero_page_is_zero(model.engine)
