@@ -168,6 +168,21 @@ class NNsightGPUModelRunner(ModelRunner):
                 saves.setdefault(request_id, {}).update(invocation.saves)
         return saves
 
+    def shutdown(self) -> None:
+        """Finish the blocks still live, then free the pools.
+
+        The engine calls this on its own thread as that thread ends: a parked block's greenlet can
+        only be unwound on the thread that runs it. The engine has failed every request by then, so
+        normally none is live; one that is (the engine thread ended abnormally) fails its trace.
+        """
+        helper = self.nnsight_requests
+        live = list(helper.live)
+        for invocation in live:
+            invocation.error = invocation.error or RuntimeError("the engine stopped before this block finished")
+        helper.request_to_invocations.clear()
+        helper.finish(live)
+        super().shutdown()
+
 
 def _job_of(req: Request) -> Any:
     return req.extra_args.get("nnsight")

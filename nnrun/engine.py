@@ -13,6 +13,7 @@ import torch
 
 from nnrun.config import EngineConfig
 from nnrun.engine_core import EngineCore
+from nnrun.lifecycle import stop_at_exit
 from nnrun.model_runner import ModelRunner
 from nnrun.outputs import RequestOutput
 from nnrun.prompts import split_prompts, tokenize_prompt
@@ -89,6 +90,7 @@ class LLM:
         self._stopping = False
         self._num_pauses = 0  # > 0 while a caller holds the engine between steps (`paused()`)
         self._thread: threading.Thread | None = None
+        stop_at_exit(self)  # a daemon engine thread still running at finalization aborts the process
 
     # ---- public API -----------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -185,15 +187,21 @@ class LLM:
                 self._aborts[request_id] = error or RuntimeError(f"request {request_id} was aborted by its caller")
             self._wakeup.notify()
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Stop: requests in flight fail, the engine thread ends its step, then frees the runner.
+
+        Returns False if the thread has not ended within `timeout` seconds (it still stops after
+        its step; `nnrun.lifecycle` escalates at interpreter exit).
+        """
         self.check_not_engine_thread("shutdown()")
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self.runner.shutdown()
+        if self._thread is None:
+            self.runner.shutdown()
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def __enter__(self) -> "LLM":
         return self
@@ -257,7 +265,7 @@ class LLM:
             self._inbox.extend(requests)
             self._wakeup.notify()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._loop, name="nnrun-engine", daemon=True)
+                self._thread = threading.Thread(target=self._serve, name="nnrun-engine", daemon=True)
                 self._thread.start()
         return handles
 
@@ -273,6 +281,13 @@ class LLM:
                 "which would wait for itself. Run it after the `with` block ends, or add the prompt to this "
                 "trace with `tracer.invoke(...)`"
             )
+
+    def _serve(self) -> None:
+        """The engine thread: the loop, then the runner's teardown on this thread, which runs the blocks."""
+        try:
+            self._loop()
+        finally:
+            self.runner.shutdown()
 
     def _loop(self) -> None:
         while True:

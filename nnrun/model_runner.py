@@ -193,6 +193,7 @@ class ModelRunner:
         return self.attn_backend
 
     def shutdown(self) -> None:
+        """Free the pools; called on the engine thread as it ends (by `LLM.shutdown` if none ran)."""
         self.graph_runner = None
         self.kv_pool = None
         self.attn_backend = None
