@@ -165,7 +165,8 @@ class LLM:
         """Hold the engine between steps: requests submitted meanwhile enter the same next step.
 
         The step running when this is entered completes first. Used to co-schedule requests on
-        purpose (tests of isolation, fair batching by a server).
+        purpose (tests of isolation, fair batching by a server). Never wait on a request inside
+        the `with` block: nothing runs until it ends.
         """
         with self._wakeup:
             self._num_pauses += 1
