@@ -35,6 +35,8 @@ from nnsight.intervention.batching import Batcher
 from nnsight.intervention.source import NO_SKIP
 from nnsight.util import apply
 
+from nnrun.prompts import is_integer_dtype
+
 LOGITS_LOCATION = "model.logits"
 SAMPLES_LOCATION = "model.samples"
 ROOT_OUTPUT_LOCATION = "model.output"
@@ -291,7 +293,7 @@ class PackedBatcher(Batcher):
 
 def check_token_ids(token_ids: torch.Tensor, vocab_size: int | None, where: str) -> None:
     """Raise InvalidWriteError unless `token_ids` are integers in the vocabulary."""
-    if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dtype == torch.bool:
+    if not is_integer_dtype(token_ids.dtype):
         raise InvalidWriteError(f"{where}: token ids must be integers, got {token_ids.dtype}")
     if vocab_size is None or token_ids.numel() == 0:
         return

@@ -94,7 +94,7 @@ class NNsightGPUModelRunner(ModelRunner):
         helper.step_invocations = []
         self.interleaver.mediators = []
         self.interleaver.counts = dict(self._counts_before_step)
-        blamed = {request_id: inv.mediator.edited_at for inv in editors for request_id in inv.request_ids}
+        blamed = {request_id for inv in editors for request_id in inv.request_ids}
         return [req for req in reqs if req.request_id in blamed]
 
     def grad_context(self, forward_batch: ForwardBatch) -> AbstractContextManager:

@@ -97,7 +97,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in prompt order."""
-        prompt_list = _as_prompt_list(prompts)
+        prompt_list = split_prompts(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
         requests = [self.make_request(p, sp, index=i) for i, (p, sp) in enumerate(zip(prompt_list, params_list))]
         handles = self.submit_requests(requests)
@@ -323,10 +323,6 @@ class LLM:
                 handle._publish(RequestOutput.from_request(req, text))
             if req.is_finished:
                 self._handles.pop(req.request_id, None)
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    return split_prompts(prompts)
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:

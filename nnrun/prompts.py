@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+
 def split_prompts(prompts: Any, where: str = "prompts") -> list[Any]:
     """One entry per prompt: a string or a single token sequence is one, a 2-D tensor/array one per row."""
     if isinstance(prompts, str):
@@ -77,7 +78,7 @@ def tokenize_prompt(prompt: Any, where: str, tokenizer: Any, vocab_size: int) ->
 
 def _token_id(token: Any, where: str, position: int, vocab_size: int) -> int:
     """`token` as a Python int in [0, vocab_size): ints, numpy integers and 0-d integer tensors qualify."""
-    if isinstance(token, torch.Tensor) and token.ndim == 0 and _is_integer_dtype(token.dtype):
+    if isinstance(token, torch.Tensor) and token.ndim == 0 and is_integer_dtype(token.dtype):
         token = token.item()
     if isinstance(token, bool) or not isinstance(token, numbers.Integral):
         raise ValueError(f"{where} token id {token!r} at position {position} is not an integer "
@@ -111,7 +112,7 @@ def _array_to_list(array: torch.Tensor | np.ndarray, where: str) -> list[int]:
     if array.ndim != 1:
         raise ValueError(f"{where} as a {type(array).__name__} must be 1-D token ids, got shape {tuple(array.shape)}")
     if isinstance(array, torch.Tensor):
-        if not _is_integer_dtype(array.dtype):
+        if not is_integer_dtype(array.dtype):
             raise ValueError(f"{where} must hold integer token ids, got a tensor of {array.dtype}")
         if array.device.type == "meta":
             raise ValueError(f"{where} is a meta tensor: it has no token ids to read")
@@ -121,7 +122,8 @@ def _array_to_list(array: torch.Tensor | np.ndarray, where: str) -> list[int]:
     return array.tolist()
 
 
-def _is_integer_dtype(dtype: torch.dtype) -> bool:
+def is_integer_dtype(dtype: torch.dtype) -> bool:
+    """Whether a tensor of `dtype` can hold token ids (no floats, complex numbers or bools)."""
     return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
 
 

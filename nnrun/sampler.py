@@ -30,6 +30,10 @@ class SamplerOutput:
     row_errors: dict[int, str] = field(default_factory=dict)  # row -> why it could not be sampled (its request fails)
 
 
+UNSAMPLABLE_ROW = ("its logits hold NaN or +inf, or no finite value, after temperature and filtering, so no token "
+                   "can be sampled (HF's sampling raises on such a row)")
+
+
 class Sampler:
     """Chooses one token per row: greedy rows never touch an RNG, seeded rows draw only from their own."""
 
@@ -48,10 +52,9 @@ class Sampler:
                 index = torch.tensor(sample_indices, device=logits.device)  # [S] int64
                 token_ids[index], is_unsamplable = _sample(penalized[index], [rows[i] for i in sample_indices])
         if is_unsamplable is not None and bool(is_unsamplable.any()):
-            for j in is_unsamplable.nonzero().flatten().tolist():
-                row_errors[sample_indices[j]] = ("its logits hold NaN or +inf, or no finite value, after temperature and filtering, "
-                                   "so no token can be sampled (HF's sampling raises on such a row)")
-            token_ids.masked_fill_(_rows_mask(row_errors, len(rows), token_ids.device), 0)  # placeholders
+            bad_rows = [sample_indices[j] for j in is_unsamplable.nonzero().flatten().tolist()]
+            token_ids[bad_rows] = 0  # placeholders: a failed request never appends its token
+            row_errors = dict.fromkeys(bad_rows, UNSAMPLABLE_ROW)
         output = _with_logprobs(raw, token_ids, rows)
         output.row_errors = row_errors
         return output
@@ -191,12 +194,6 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.d
     token_ids = torch.tensor([t for ids in token_lists for t in ids], dtype=torch.long, device=device)
     counts = torch.zeros(len(token_lists), vocab_size, device=device)  # [P, V] float32
     return counts.index_put_((row_ids, token_ids), torch.ones_like(token_ids, dtype=counts.dtype), accumulate=True)
-
-
-def _rows_mask(rows: dict[int, str], num_rows: int, device: torch.device) -> torch.Tensor:
-    mask = torch.zeros(num_rows, dtype=torch.bool)  # [R]
-    mask[list(rows)] = True
-    return mask.to(device)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:

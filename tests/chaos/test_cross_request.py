@@ -156,21 +156,25 @@ def test_a_base_exception_in_a_block_reaches_its_caller_and_the_engine_serves_on
     check_innocents(tiny_facts, run_innocents_now(tiny_facts))  # and later requests too
 
 
-def test_ctrl_c_while_waiting_on_a_trace_aborts_it_and_keeps_the_engine(tiny_facts, clean_after):
-    model = tiny_facts.model
-    engine = model.engine
-
+def press_ctrl_c_once_running(engine: nnrun.LLM, delay_s: float) -> threading.Thread:
+    """Send SIGINT (Ctrl-C: KeyboardInterrupt in the main thread, the test's) once a request is in flight."""
     assert threading.current_thread() is threading.main_thread()
 
-    def interrupt_once_running() -> None:
+    def interrupt() -> None:
         deadline = time.monotonic() + 30
         while engine.num_requests_in_flight == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
-        time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: KeyboardInterrupt in the main thread, which waits
+        time.sleep(delay_s)
+        os.kill(os.getpid(), signal.SIGINT)
 
-    interrupter = threading.Thread(target=interrupt_once_running, daemon=True)
+    interrupter = threading.Thread(target=interrupt, daemon=True)
     interrupter.start()
+    return interrupter
+
+
+def test_ctrl_c_while_waiting_on_a_trace_aborts_it_and_keeps_the_engine(tiny_facts, clean_after):
+    model = tiny_facts.model
+    interrupter = press_ctrl_c_once_running(model.engine, delay_s=0.2)
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         with model.generate("The Louvre is in", max_new_tokens=100, min_new_tokens=100) as tracer:
@@ -265,18 +269,7 @@ def test_rounds_of_mixed_hostile_traces_leave_innocents_exact(tiny_facts, clean_
 def test_ctrl_c_on_a_trace_whose_block_loops_forever_frees_the_engine(tiny_facts, clean_after):
     """The block holds the engine thread; Ctrl-C must stop the block itself, not only the wait."""
     model = tiny_facts.model
-    engine = model.engine
-    assert threading.current_thread() is threading.main_thread()
-
-    def interrupt_once_running() -> None:
-        deadline = time.monotonic() + 30
-        while engine.num_requests_in_flight == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.3)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    interrupter = threading.Thread(target=interrupt_once_running, daemon=True)
-    interrupter.start()
+    interrupter = press_ctrl_c_once_running(model.engine, delay_s=0.3)
     with pytest.raises(KeyboardInterrupt):
         with model.trace("The Louvre is in"):
             hidden = model.model.layers[1].output
