@@ -2,5 +2,6 @@
 
 from interleaver.model import LanguageModel
 from interleaver.runner import NNsightGPUModelRunner
+from interleaver.vllm import VLLM
 
-__all__ = ["LanguageModel", "NNsightGPUModelRunner"]
+__all__ = ["LanguageModel", "NNsightGPUModelRunner", "VLLM"]

@@ -21,6 +21,10 @@ marked `_nnsight_batch` so `.grad` redirects to the tensor in the graph. A sever
 (`[k, T_max, ...]`); `scatter_back` writes its real tokens back after the mediator moves on.
 Assignments (`widen`) never write into the flat tensor in place: the model continues from a new
 tensor, so values saved earlier keep what they were, exactly as nnsight on HF behaves.
+
+An attention module's second output is not token-packed: it is an `AttentionProbs` (per batch row,
+the probabilities of the requests that passed `output_attentions=True`), served per request by the
+helpers in interleaver/attentions.py.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from nnsight.intervention.batching import Batcher
 from nnsight.intervention.source import NO_SKIP
 from nnsight.util import apply
 
+from interleaver.attentions import narrow_probs, scatter_probs, unpadded_probs
+from nnrun.attention.probabilities import AttentionProbs
 from nnrun.prompts import is_integer_dtype
 
 LOGITS_LOCATION = "model.logits"
@@ -120,7 +126,12 @@ class PackedBatcher(Batcher):
         if group is None:
             return value
         layout = self.layout_of(self.location)
-        return apply(value, lambda tensor: self._narrow_tensor(tensor, group, layout), torch.Tensor)
+        return apply(value, lambda leaf: self._narrow_leaf(leaf, group, layout), (torch.Tensor, AttentionProbs))
+
+    def _narrow_leaf(self, leaf: torch.Tensor | AttentionProbs, group: PackedGroup, layout: Layout) -> Any:
+        if isinstance(leaf, AttentionProbs):
+            return narrow_probs(leaf, group.rows)
+        return self._narrow_tensor(leaf, group, layout)
 
     def _narrow_tensor(self, tensor: torch.Tensor, group: PackedGroup, layout: Layout) -> torch.Tensor:
         if not self._is_packed(tensor, layout):
@@ -144,19 +155,26 @@ class PackedBatcher(Batcher):
         if group is None or group.is_single:
             return
         layout = self.layout_of(self.location)
-        for full_tensor, served_tensor in _paired_tensors(full, served):
-            if self._is_packed(full_tensor, layout) and served_tensor is not full_tensor:
-                self._write(full_tensor, group, layout, served_tensor)
+        for full_leaf, served_tensor in _paired_tensors(full, served):
+            if isinstance(full_leaf, AttentionProbs):
+                scatter_probs(full_leaf, group.rows, served_tensor)
+            elif self._is_packed(full_leaf, layout) and served_tensor is not full_leaf:
+                self._write(full_leaf, group, layout, served_tensor)
 
     # ---- writes ---------------------------------------------------------------------------
     def widen(self, full: Any, group: Any, edited: Any) -> Any:
         if group is None:
             return edited
         layout = self.layout_of(self.location)
-        return self._merge(full, edited, lambda f, e: self._widen_tensor(f, group, e, layout))
+        return self._merge(full, edited, lambda f, e: self._widen_leaf(f, group, e, layout))
+
+    def _widen_leaf(self, full: torch.Tensor | AttentionProbs, group: PackedGroup, edited: Any, layout: Layout) -> Any:
+        if isinstance(full, AttentionProbs):
+            return self._widen_probs(full, group, edited)
+        return self._widen_tensor(full, group, edited, layout)
 
     def _merge(self, full: Any, edited: Any, fn) -> Any:
-        if isinstance(full, torch.Tensor):
+        if isinstance(full, (torch.Tensor, AttentionProbs)):
             return fn(full, edited)
         if isinstance(full, (list, tuple)) and isinstance(edited, (list, tuple)) and len(full) == len(edited):
             merged = [self._merge(f, e, fn) for f, e in zip(full, edited)]
@@ -190,6 +208,20 @@ class PackedBatcher(Batcher):
         updated = full.clone()  # the model continues from a new tensor; reads saved before keep their values
         self._write(updated, group, layout, edited)
         return updated
+
+    def _widen_probs(self, full: AttentionProbs, group: PackedGroup, edited: Any) -> AttentionProbs:
+        """An assignment to attention probabilities: kept for later reads, as on HF, where the attention
+        output has been computed already, so nothing downstream changes."""
+        if edited is None:
+            return full.replaced({row: None for row in group.rows})
+        served = narrow_probs(full, group.rows)
+        if served is None:
+            raise InvalidWriteError(f"{_module_of(self.location)}: cannot assign attention probabilities to a "
+                                    "request that did not ask for them (pass output_attentions=True)")
+        edited = self._checked_write(served, edited, tuple(served.shape))
+        if group.is_single:
+            return full.replaced({group.rows[0]: edited})
+        return full.replaced(unpadded_probs(full, group.rows, edited))
 
     def _checked_write(self, full: torch.Tensor, edited: Any, expected: tuple[int, ...]) -> torch.Tensor:
         """`edited` as a tensor the step can take in place of this request's part of `full`, or an error."""
@@ -328,8 +360,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return found
 
 
-def _paired_tensors(full: Any, served: Any) -> list[tuple[torch.Tensor, Any]]:
-    if isinstance(full, torch.Tensor):
+def _paired_tensors(full: Any, served: Any) -> list[tuple[torch.Tensor | AttentionProbs, Any]]:
+    if isinstance(full, (torch.Tensor, AttentionProbs)):
         return [(full, served)] if isinstance(served, torch.Tensor) else []
     if isinstance(full, (list, tuple)) and isinstance(served, (list, tuple)):
         return [pair for f, s in zip(full, served) for pair in _paired_tensors(f, s)]

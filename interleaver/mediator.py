@@ -22,6 +22,8 @@ from nnsight.util import apply
 
 from interleaver.batcher import InvalidWriteError, PackedBatcher
 from interleaver.block_interrupt import RunningBlocks
+from interleaver.grads import sink_grads
+from interleaver.sources import CALLABLE_SUFFIX, forget_if_other_callable
 
 
 class ServedValues:
@@ -86,6 +88,8 @@ class PackedMediator(Mediator):
                 self.iteration = None
             if pending.event is Event.VALUE:
                 served = batcher.narrow(value, group)
+                if torch.is_grad_enabled():  # a step that runs with autograd: `.retain_grad()` must work
+                    sink_grads(value, served)
                 versions = _versions(served)
                 try:
                     self.pending = self.switch(served)
@@ -163,7 +167,18 @@ class PackedInterleaver(Interleaver):
         self.defer_exceptions = True  # one request's error ends that request, not the step
         self.running_blocks = RunningBlocks()
 
+    def __enter__(self) -> "PackedInterleaver":
+        # nnsight forgets drilled callables (`op.source`) per run; an engine run is one step of
+        # many, while on HF one run spans the whole generation, so a block that drilled in (or is
+        # parked waiting to) keeps the entry across steps. The request helper clears them when idle.
+        kept = dict(self.sourced)
+        super().__enter__()
+        self.sourced.update(kept)
+        return self
+
     def handle(self, provider: str, value: Any) -> Any:
+        if self.sourced and provider.endswith(CALLABLE_SUFFIX):
+            forget_if_other_callable(self.sourced, provider[: -len(CALLABLE_SUFFIX)], value)
         batcher = self.batcher
         previous, batcher.location = batcher.location, provider
         try:

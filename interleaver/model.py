@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from transformers import GenerationConfig
@@ -18,20 +18,26 @@ from transformers import GenerationConfig
 from nnsight import NNsight
 from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.interleaver import Interleaver
+from nnsight.intervention.source import Source
 from nnsight.tracing.tracer import WithBlockNotFoundError
 
+from interleaver.attentions import ATTENTION_KWARGS, attention_args, check_spanning_invokes
+from interleaver.attach import mirror_on_engine
+from interleaver.edits import edit_invocations, edits_ask_for_grad, generate_with_edits
+from interleaver.generator import add_generator, user_streamer
+from interleaver.keywords import (GENERATE_KWARGS, INVOKE_KWARGS, STREAMER_KWARGS, TRACE_KWARGS, _check_kwargs,
+                                  apply_tokenizer_settings, engine_kwargs)
 from interleaver.mediator import PackedInterleaver, ServedValues
 from interleaver.requests import Invocation, TraceJob, pad_sequences
 from interleaver.runner import NNsightGPUModelRunner
+from interleaver.scan import ScanTracer
+from interleaver.sources import client_source
+from interleaver.streaming import StreamerFeed, generate_streamed
 from interleaver.tracer import NNrunTracer, PendingInvoke
 from nnrun.engine import LLM
 from nnrun.prompts import split_model_input, tokenize_prompt
 from nnrun.sampling_params import SamplingParams
 
-GENERATE_KWARGS = (
-    "max_new_tokens", "max_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
-    "repetition_penalty", "seed",
-)
 _trace_seq = itertools.count()
 _request_seq = itertools.count()
 
@@ -58,6 +64,16 @@ class _ClientEnvoyMixin:
                 engine.interleaving = True
         return Envoy.__call__(self, *args, hook=hook, **kwargs)
 
+    @property
+    def source(self) -> Source:
+        """The module's forward as operations; `op.source` recurses on the engine (see interleaver/sources.py)."""
+        return client_source(self)
+
+    def _wrap_envoy(self, name: str, module: torch.nn.Module) -> Envoy:
+        envoy = Envoy._wrap_envoy(self, name, module)
+        mirror_on_engine(self, name, module)  # a module attached now must be served by the engine too
+        return envoy
+
     def __getattr__(self, name: str) -> Any:
         try:
             return Envoy.__getattr__(self, name)
@@ -83,32 +99,54 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
 
     `LanguageModel(model_or_path, tokenizer=None, device="cpu", dtype=None, **engine_kwargs)`
     builds an engine over the model (an HF `PreTrainedModel`, a checkpoint folder, a hub id or a
-    bundled name) and mirrors its module tree: `model.model.layers[0].output` etc.
+    bundled name) and mirrors its module tree: `model.model.layers[0].output` etc. nnsight's own
+    constructor keywords keep nnsight's meaning (`torch_dtype`, a one-device `device_map`,
+    `tokenizer_kwargs`, `revision`, ...) or are refused by name (interleaver/keywords.py).
+    `model.generator` serves a generation's ids and its streamer's calls (interleaver/generator.py).
+    `LanguageModel(name, serve=url, api_key=None)` runs on an `nnrun serve` engine instead: this
+    process holds only the module tree, on the meta device (`nnrun.serve.client.RemoteLanguageModel`).
     """
 
+    def __new__(cls, *args: Any, serve: str | None = None, **kwargs: Any) -> Any:
+        if serve is not None:
+            from nnrun.serve.client import RemoteLanguageModel
+
+            return RemoteLanguageModel(*args, serve=serve, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, model_or_path: Any, tokenizer: Any = None, device: str = "cpu", dtype: Any = None,
-                 **engine_kwargs: Any) -> None:
+                 rename: dict | None = None, **kwargs: Any) -> None:
+        device, dtype, options, tokenizer_settings = engine_kwargs(model_or_path, device, dtype, kwargs)
         engine = LLM(model_or_path, tokenizer=tokenizer, device=device, dtype=dtype,
-                     runner_cls=NNsightGPUModelRunner, **engine_kwargs)
-        super().__init__(engine.model, interleaver=ClientInterleaver(engine.runner.interleaver), envoys=ClientEnvoy)
+                     runner_cls=NNsightGPUModelRunner, **options)
+        apply_tokenizer_settings(engine.tokenizer, tokenizer_settings)
+        # Aliases live on the client tree only: they point at the same envoys, whose paths (what the
+        # engine's interleaver is asked for) stay HF's.
+        super().__init__(engine.model, interleaver=ClientInterleaver(engine.runner.interleaver), envoys=ClientEnvoy,
+                         rename=rename)
         object.__setattr__(self, "engine", engine)
         object.__setattr__(self, "tokenizer", engine.tokenizer)
+        add_generator(self)
 
     # ---- tracing --------------------------------------------------------------------------
     def trace(self, *inputs: Any, **kwargs: Any) -> NNrunTracer:
         """`with model.trace(prompt):` one forward of each prompt; `tracer.invoke(...)` for several."""
-        _check_kwargs("trace", kwargs, ())
+        _check_kwargs("trace", kwargs, TRACE_KWARGS + ATTENTION_KWARGS)  # generation settings: ignored, as on HF
         return NNrunTracer(self, "trace", *inputs, **kwargs)
 
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """`with model.generate(prompt, max_new_tokens=...)`; called plainly, returns the token ids."""
-        _check_kwargs("generate", kwargs, GENERATE_KWARGS)
+        _check_kwargs("generate", kwargs, GENERATE_KWARGS + STREAMER_KWARGS + ATTENTION_KWARGS)
         tracer = NNrunTracer(self, "generate", *inputs, **kwargs)
         try:
             tracer.capture()
         except WithBlockNotFoundError:
             return self._generate_plain(inputs, kwargs)
         return tracer
+
+    def scan(self, *inputs: Any, **kwargs: Any) -> ScanTracer:
+        """`with model.scan(prompt):` shapes and dtypes on a meta copy of the model; the engine does not run."""
+        return ScanTracer(self, *inputs, **kwargs)
 
     def shutdown(self) -> None:
         self.engine.shutdown()
@@ -126,6 +164,7 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         request_ids: list[list[str]] = []
         prompts: dict[str, list[int]] = {}
         params: dict[str, SamplingParams] = {}
+        extra_args: dict[str, dict] = {}  # per request, what it asks of the engine (output_attentions)
         for invoke in invokes:
             if invoke.prompts is None:
                 invoke.prompts = self._invoke_prompts(kind, invoke.inputs, invoke.kwargs)
@@ -134,17 +173,24 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
                 request_id = f"nnsight-{seq}-{next(_request_seq)}"
                 prompts[request_id] = prompt
                 params[request_id] = self._sampling_params(kind, {**trace_kwargs, **invoke.kwargs}, len(prompt))
+                extra_args[request_id] = attention_args({**trace_kwargs, **invoke.kwargs})
                 ids.append(request_id)
             request_ids.append(ids)
         every = [rid for ids in request_ids for rid in ids]
         if not every:
             raise ValueError("trace() needs at least one prompt: every invoke here is empty")
+        check_spanning_invokes(request_ids, extra_args)
         invocations = [Invocation(invoke.mediator, ids or list(every), index)
                        for index, (invoke, ids) in enumerate(zip(invokes, request_ids))]
-        job = TraceJob(kind, invocations, needs_grad=needs_grad, pad_token_id=self._pad_token_id(), seq=seq)
+        # Stored edits (`model.edit()`) run first, over every request, as nnsight prepends them.
+        invocations = edit_invocations(self._edits, every) + invocations
+        needs_grad = needs_grad or edits_ask_for_grad(self._edits)
+        job = TraceJob(kind, invocations, needs_grad=needs_grad, pad_token_id=self._pad_token_id(), seq=seq,
+                       streamer=user_streamer(kind, trace_kwargs))
         for request_id in every:
             job.requests[request_id] = self.engine.make_request(
-                prompts[request_id], params[request_id], request_id=request_id, extra_args={"nnsight": job},
+                prompts[request_id], params[request_id], request_id=request_id,
+                extra_args={"nnsight": job, **extra_args[request_id]},
                 preemptible=False,
             )
         return job
@@ -152,33 +198,45 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
     def _run_job(self, job: TraceJob) -> None:
         """Submit every request of the trace at once, then wait for the engine to finalize it."""
         engine = self.engine
+        feed = None
+        if job.streamer is not None:  # fed on this thread, never the engine's (see interleaver/streaming.py)
+            feed = StreamerFeed(job.streamer, [r.prompt_token_ids for r in job.requests.values()], job.pad_token_id)
+            feed.begin()
         # A gang: one step admits every request of the trace (invokes that share values, and
         # barriers, need their requests in the same forward).
-        engine.submit_requests(list(job.requests.values()), gang=True)
+        handles = engine.submit_requests(list(job.requests.values()), gang=True, stream=feed is not None)
         try:
+            if feed is not None:
+                feed.follow(handles)
             while not job.done.wait(1.0):
                 if all(request.is_finished for request in job.requests.values()):
                     with engine.runner.step_lock:  # a step that finished them has also finalized them
                         if not job.done.is_set():
                             raise RuntimeError("the engine finished this trace's requests without finalizing "
                                                "its blocks")
-        except BaseException:  # Ctrl-C while waiting: end the trace's requests, free their KV and blocks
+        except BaseException:  # Ctrl-C, or the streamer raised: end the trace's requests, free their KV and blocks
             engine.abort(list(job.requests))
             # A block still running (a loop) would hold the engine thread, so the abort would never be seen.
             engine.runner.interleaver.running_blocks.interrupt([inv.mediator for inv in job.invocations])
             raise
 
     def _generate_plain(self, inputs: tuple, kwargs: dict) -> torch.Tensor:
+        if self._edits:  # the edits run as blocks, so the prompts go through a trace's job
+            return generate_with_edits(self, inputs, kwargs)
         prompts = self._prompts(inputs)
         params = [self._sampling_params("generate", kwargs, len(p)) for p in prompts]
-        outputs = self.engine.generate(prompts, params)
+        streamer = user_streamer("generate", kwargs)
+        if streamer is None:
+            outputs = self.engine.generate(prompts, params)
+        else:
+            outputs = generate_streamed(self.engine, prompts, params, streamer, self._pad_token_id())
         sequences = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
         return pad_sequences(sequences, [len(p) for p in prompts], self._pad_token_id())
 
     # ---- inputs and sampling --------------------------------------------------------------
     def _invoke_prompts(self, kind: str, inputs: tuple, kwargs: dict) -> list[list[int]]:
         """An invoke's prompts as token ids, after checking its keywords."""
-        _check_kwargs("invoke", kwargs, GENERATE_KWARGS if kind == "generate" else ())
+        _check_kwargs("invoke", kwargs, INVOKE_KWARGS + ATTENTION_KWARGS)  # a trace's ignores them, as on HF
         return self._prompts(inputs)
 
     def _prompts(self, inputs: tuple) -> list[list[int]]:
@@ -229,9 +287,3 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
             top_p=setting("top_p"), repetition_penalty=setting("repetition_penalty"), seed=kwargs.get("seed"),
         )
 
-
-def _check_kwargs(where: str, kwargs: dict, allowed: Sequence[str]) -> None:
-    unknown = sorted(set(kwargs) - set(allowed))
-    if unknown:
-        accepted = ", ".join(allowed) if allowed else "none"
-        raise TypeError(f"{where}() got unsupported keyword(s) {', '.join(unknown)}; nnrun accepts: {accepted}")

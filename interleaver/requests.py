@@ -11,9 +11,10 @@ job in `extra_args["nnsight"]`, and waits on `job.done`. On the engine thread th
    and returns the invocations in serving order (trace submission order, then invoke order);
 3. `start`: starts an invocation's mediator the first step one of its requests is scheduled;
 4. `end_step`: ends the requests of any invocation whose block raised (or called `stop()`);
-5. `process_finished_reqs` / `finish`: once every request of an invocation is finished, serves
-   `tracer.result`, unwinds a worker still parked, and records the block's saved values;
-   the last invocation of a job sets `job.done`.
+5. `process_finished_reqs` / `finish`: once every request of an invocation is finished (of a
+   generation: every request of its trace), serves `model.generator.output` and `tracer.result`,
+   unwinds a worker still parked, and records the block's saved values; the last invocation of a
+   job sets `job.done`.
 
 Mediators are greenlets: everything here runs on the engine thread.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from greenlet import error as GreenletError
@@ -31,6 +32,8 @@ from nnsight.intervention.interleaver import EarlyStopException, dangling_unwind
 from nnsight.tracing.tracer import _local, _saves, inc
 
 from interleaver.batcher import PackedGroup
+from interleaver.generator import serve_generated_ids
+from interleaver.grads import carry_grad
 from interleaver.mediator import PackedInterleaver, PackedMediator, as_block_error, original_error
 from nnrun.forward_batch import ForwardBatch
 from nnrun.request import Request
@@ -44,13 +47,15 @@ class Invocation:
 
     mediator: PackedMediator
     request_ids: list[str]
-    index: int  # invoke order within the trace
+    index: int  # invoke order within the trace (stored edits, served first, are negative)
+    is_edit: bool = False  # a stored `model.edit()` replayed on this trace: its names are not pushed
     job: "TraceJob" = None
     saves: dict[str, Any] = field(default_factory=dict)
     error: BaseException | None = None
     warning: str | None = None
     is_started: bool = False
     is_finished: bool = False
+    has_streamed_prompt: bool = False  # `model.generator.streamer` has had its first visit (the prompt ids)
     counts_when_out: dict[str, int] | None = None  # interleaver counts when it last sat a step out
 
 
@@ -67,6 +72,9 @@ class TraceJob:
     client_saves: list[Any] = field(default_factory=list)  # values the trace body saved (its invokes fill them)
     done: threading.Event = field(default_factory=threading.Event)
     results: dict[str, Any] = field(default_factory=dict)  # request id -> its trace-mode model output
+    # How `tracer.result` is built from an invocation's finished requests; None: HF's forms (`_result_of`).
+    make_result: Callable[[list[Request]], Any] | None = None
+    streamer: Any = None  # a generation's own HF streamer: the client's thread feeds it (engine never calls it)
 
     def __post_init__(self) -> None:
         for invocation in self.invocations:
@@ -197,17 +205,24 @@ class NNsightRequestHelper:
 
     # ---- 5. finishing ---------------------------------------------------------------------
     def process_finished_reqs(self, reqs: list[Request]) -> list[Invocation]:
-        """Note finished requests; return the invocations none of whose requests is still running."""
+        """Note finished requests; return the invocations none of whose requests is still running.
+
+        A generation's invocations wait for every request of their trace: its ids (`tracer.result`,
+        `model.generator.output`) are padded to the whole trace, as HF pads its batch.
+        """
         self.process_new_reqs(reqs)  # a request can finish (fail) before any step carried it
         finished_ids = {req.request_id for req in reqs}
         ready = []
         for req in reqs:
-            for invocation in self.request_to_invocations.pop(req.request_id, ()):
-                if invocation.is_finished or invocation in ready:
-                    continue
-                job = invocation.job
-                if all(job.requests[rid].is_finished or rid in finished_ids for rid in invocation.request_ids):
-                    ready.append(invocation)
+            for finished in self.request_to_invocations.pop(req.request_id, ()):
+                job = finished.job
+                waiting = job.invocations if job.kind == "generate" else [finished]
+                for invocation in waiting:
+                    if invocation.is_finished or invocation in ready or invocation not in self.live:
+                        continue
+                    request_ids = job.requests if job.kind == "generate" else invocation.request_ids
+                    if all(job.requests[rid].is_finished or rid in finished_ids for rid in request_ids):
+                        ready.append(invocation)
         return ready
 
     def finish(self, invocations: list[Invocation]) -> None:
@@ -224,14 +239,18 @@ class NNsightRequestHelper:
                 job.done.set()
         if not self.request_to_invocations and not self.live:
             _saves().clear()  # nothing in flight: no saved id can still matter
+            self.interleaver.sourced.clear()  # nor a callable some block drilled into (`op.source`)
 
     def _finish_one(self, invocation: Invocation) -> None:
         mediator = invocation.mediator
         invocation.is_finished = True
+        mediator.batch_group = None
+        generated = None
+        if invocation.job.kind == "generate" and mediator.alive:
+            generated = serve_generated_ids(invocation, generated_ids(invocation.job, invocation.request_ids))
         if mediator.alive and mediator.pending is not None and mediator.pending.provider == RESULT_LOCATION:
-            mediator.batch_group = None
             try:
-                mediator.handle(RESULT_LOCATION, self._result_of(invocation))
+                mediator.handle(RESULT_LOCATION, self._result_of(invocation, generated))
             except BaseException as error:
                 mediator.exception = as_block_error(error)
         if mediator.alive and mediator.pending is not None:
@@ -263,15 +282,18 @@ class NNsightRequestHelper:
             return
         mediator.pending = None
 
-    def _result_of(self, invocation: Invocation) -> Any:
-        """What `tracer.result` is: the model output of a trace, the token ids of a generation."""
+    def _result_of(self, invocation: Invocation, generated: torch.Tensor | None) -> Any:
+        """What `tracer.result` is: the model output of a trace, the token ids of a generation.
+
+        `generated`: a generation's ids as `model.generator.output` left them (a block may assign them).
+        """
         job = invocation.job
+        if job.make_result is not None:
+            return job.make_result([job.requests[rid] for rid in invocation.request_ids])
         if job.kind == "trace":
             outputs = [job.results.get(rid) for rid in invocation.request_ids]
             return _stack_outputs(outputs)
-        sequences = [job.requests[rid].all_token_ids for rid in invocation.request_ids]
-        return pad_sequences(sequences, [len(job.requests[rid].prompt_token_ids) for rid in invocation.request_ids],
-                              job.pad_token_id)
+        return generated
 
 
 def _is_serving(mediator: PackedMediator) -> bool:
@@ -313,6 +335,8 @@ def _unpin(value: Any, memo: dict[int, Any]) -> Any:
     memo[key] = value
     if isinstance(value, torch.Tensor):
         result = value.clone() if value._base is not None else value
+        if result is not value:
+            carry_grad(value, result)
     elif isinstance(value, list):
         value[:] = [_unpin(item, memo) for item in value]
         result = value
@@ -341,6 +365,15 @@ def _stack_outputs(outputs: list[Any]) -> Any:
     for i, t in enumerate(logits):
         padded[i, max_len - t.shape[1] :] = t[0]
     return CausalLMOutputWithPast(logits=padded)
+
+
+def generated_ids(job: TraceJob, request_ids: list[str]) -> torch.Tensor:
+    """These requests' rows of a generation's ids, padded to the whole trace as HF pads its batch."""
+    order = list(job.requests)
+    requests = list(job.requests.values())
+    ids = pad_sequences([r.all_token_ids for r in requests], [len(r.prompt_token_ids) for r in requests],
+                        job.pad_token_id)  # [B, T_max + new_max]
+    return ids[[order.index(rid) for rid in request_ids]]
 
 
 def pad_sequences(sequences: list[list[int]], prompt_lens: list[int], pad_token_id: int) -> torch.Tensor:

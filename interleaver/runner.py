@@ -4,10 +4,12 @@ The runner owns a second nnsight tree over the engine's HF module (`RunnerModel`
 interleaver serves the mediators the clients' traces hand over. One step:
 
 1. `prepare_forward_batch_extend`: a traced prompt keeps the logits of all its positions;
-2. `forward`: the request helper gives each mediator its spans, starts new ones, and the packed
-   forward runs inside the interleaver (with autograd on if a trace in the step asks for it);
+2. `forward`: the request helper gives each mediator its spans, starts new ones (a generation's
+   new blocks get `model.generator.streamer`'s prompt visit), and the packed forward runs inside
+   the interleaver (with autograd on if a trace in the step asks for it);
 3. `sample`: the interleaver serves `model.logits`, then the sampler runs, then it serves
-   `model.samples`; requests whose block raised or stopped are failed (the engine ends them);
+   `model.samples` and the streamer's token visit; requests whose block raised or stopped are
+   failed (the engine ends them);
 4. `finish_requests` -> `finish_nnsight`: finished requests' mediators are finalized and their
    saves recorded; the client thread waiting on the trace picks them up.
 
@@ -25,6 +27,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from nnsight import NNsight
 
 from interleaver.batcher import InvalidWriteError, PackedBatcher
+from interleaver.generator import serve_prompts, serve_step_tokens
 from interleaver.mediator import PackedInterleaver, ServedValues
 from interleaver.requests import NNsightRequestHelper
 from nnrun.attention import AttentionBackend
@@ -74,6 +77,8 @@ class NNsightGPUModelRunner(ModelRunner):
         self._counts_before_step = dict(self.interleaver.counts)
         with self.interleaver:
             helper.start(invocations)
+            if serve_prompts(invocations):  # HF's streamer has the prompt ids before the first forward
+                helper.keep_running()
             logits = self.run_model(forward_batch)  # [R, V]
         self._keep_trace_outputs(forward_batch, logits)
         return self.process_logits(logits, forward_batch)
@@ -134,6 +139,8 @@ class NNsightGPUModelRunner(ModelRunner):
             with self.interleaver:
                 sampler_output.token_ids = type(model).samples.provide(model, sampler_output.token_ids)
             self._fail_invalid_samples(forward_batch.reqs, sampler_output.token_ids)
+            with self.interleaver:  # then HF's streamer has the step's tokens
+                serve_step_tokens(helper.step_invocations, forward_batch, sampler_output.token_ids)
         helper.end_step(forward_batch)
         return sampler_output
 

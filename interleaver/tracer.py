@@ -104,12 +104,14 @@ class NNrunTracer(InterleavingTracer):
 
 def _push_saves(frame: Any, job: "TraceJob") -> None:
     for invocation in job.invocations:
+        if invocation.warning is not None:
+            warnings.warn(invocation.warning, stacklevel=4)
+        if invocation.is_edit:  # a stored edit's names stay its own, as on HF
+            continue
         for value in invocation.saves.values():
             mark(value)  # saved on the engine thread; this thread's save set decides what is pushed
         # The outermost trace pushes only what was saved; one inside a session pushes every name.
         push_result(frame, invocation.mediator.lcls.writes())
-        if invocation.warning is not None:
-            warnings.warn(invocation.warning, stacklevel=4)
 
 
 def _user_traceback(error: BaseException) -> Any:
@@ -119,7 +121,11 @@ def _user_traceback(error: BaseException) -> Any:
 
 
 def _asks_for_grad(node: ast.AST | None) -> bool:
-    """Whether a trace reads `.grad` or calls `.backward()`: its requests run with autograd on."""
+    """Whether a block reads `.grad`, retains one or calls `.backward()`: its requests run with autograd on.
+
+    (`retain_grad()` alone counts: the gradient may be taken after the trace, from a saved output.)
+    """
     if node is None:
         return False
-    return any(isinstance(n, ast.Attribute) and n.attr in ("grad", "backward") for n in ast.walk(node))
+    return any(isinstance(n, ast.Attribute) and n.attr in ("grad", "backward", "retain_grad")
+               for n in ast.walk(node))

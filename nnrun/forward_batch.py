@@ -9,6 +9,10 @@ import torch
 
 from nnrun.request import Request
 
+# `Request.extra_args` key: serve this request's attention probabilities as each attention module's
+# second output (HF's `output_attentions`); see nnrun/attention/probabilities.py.
+OUTPUT_ATTENTIONS_ARG = "output_attentions"
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"  # at least one request brings more than one new token (a prefill)
@@ -40,6 +44,11 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return len(self.reqs)
+
+    @property
+    def attention_probs_rows(self) -> list[int]:
+        """Rows whose requests asked for their attention probabilities."""
+        return [row for row, req in enumerate(self.reqs) if req.extra_args.get(OUTPUT_ATTENTIONS_ARG)]
 
     @property
     def seq_lens(self) -> list[int]:

@@ -12,6 +12,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBackend, forward_context
+from nnrun.attention.probabilities import AttentionProbsPlan
 from nnrun.attention.selection import create_attention_backend
 from nnrun.config import EngineConfig
 from nnrun.cuda_graph import CudaGraphCapturer, DecodeGraphRunner, GraphCapturer, default_batch_sizes
@@ -172,10 +173,11 @@ class ModelRunner:
     def can_use_cuda_graph(self, forward_batch: ForwardBatch) -> bool:
         """Whether this step may replay a captured graph: a decode step nothing watches.
 
-        A replay runs no Python, so module hooks would silently not fire; subclasses with
-        interventions in the step say no as well.
+        A replay runs no Python, so module hooks would silently not fire and no attention
+        probabilities would be computed; subclasses with interventions in the step say no as well.
         """
-        return forward_batch.forward_mode is ForwardMode.DECODE and not self._has_module_hooks()
+        return (forward_batch.forward_mode is ForwardMode.DECODE and not forward_batch.attention_probs_rows
+                and not self._has_module_hooks())
 
     def _has_module_hooks(self) -> bool:
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
@@ -273,7 +275,8 @@ class ModelRunner:
             return self.graph_runner.replay(forward_batch)  # [B, V]: a decode step keeps every row
         backend = self.attention_backend_for(forward_batch)
         backend.init_forward_metadata(forward_batch)
-        with forward_context(backend), self.grad_context(forward_batch):
+        probs_plan = AttentionProbsPlan.for_batch(forward_batch, self.device)  # None unless a request asked
+        with forward_context(backend, probs_plan), self.grad_context(forward_batch):
             output = self.model(
                 input_ids=forward_batch.input_ids.to(self.device)[None],
                 position_ids=forward_batch.positions.to(self.device)[None],

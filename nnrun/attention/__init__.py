@@ -3,6 +3,10 @@
 from nnrun.attention.base import AttentionBackend
 from nnrun.attention.context import current_backend, forward_context
 from nnrun.attention.hf_glue import ATTN_IMPLEMENTATION
+from nnrun.attention.probabilities import AttentionProbs
 from nnrun.attention.torch_backend import TorchAttnBackend
 
-__all__ = ["ATTN_IMPLEMENTATION", "AttentionBackend", "TorchAttnBackend", "current_backend", "forward_context"]
+__all__ = [
+    "ATTN_IMPLEMENTATION", "AttentionBackend", "AttentionProbs", "TorchAttnBackend", "current_backend",
+    "forward_context",
+]

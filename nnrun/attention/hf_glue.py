@@ -13,7 +13,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from nnrun.attention.context import current_backend
+from nnrun.attention.context import current_backend, current_probs_plan
+from nnrun.attention.probabilities import AttentionProbs
 
 ATTN_IMPLEMENTATION = "nnrun_paged"
 
@@ -27,7 +28,7 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, AttentionProbs | None]:
     backend = current_backend()
     if backend is None:  # the user calls the model directly (plain HF use): behave exactly as sdpa
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -38,16 +39,16 @@ def paged_attention_forward(
             f"and key {tuple(key.shape)}"
         )
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = backend.forward(
-        module.layer_idx,
-        query[0].transpose(0, 1),
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        scaling=scaling,
-        sliding_window=kwargs.get("sliding_window"),
-        softcap=kwargs.get("softcap"),
-    )
-    return out.unsqueeze(0), None  # [1, N, Hq, Dv]
+    q = query[0].transpose(0, 1)  # [N, Hq, D]
+    sliding_window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    out = backend.forward(module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1),
+                          scaling=scaling, sliding_window=sliding_window, softcap=softcap)  # [N, Hq, Dv]
+    probs_plan = current_probs_plan()
+    if probs_plan is None:  # nobody in the step asked: the second output is None, as sdpa's
+        return out.unsqueeze(0), None  # [1, N, Hq, Dv]
+    # After the backend: it has written this layer's K into the pool, and its output stays as it is.
+    probs = probs_plan.compute(backend.kv_pool, module.layer_idx, q, scaling, sliding_window, softcap)
+    return out.unsqueeze(0), probs
 
 
 def paged_attention_mask(*args, **kwargs) -> torch.Tensor | None:

@@ -1,0 +1,122 @@
+"""Attention probabilities for the requests of a packed step that ask for them (HF's output_attentions).
+
+A packed step has no `[B, H, T, T_kv]` tensor, and the fast kernels never form the probabilities.
+So for the requests that asked (`ForwardBatch.attention_probs_rows`) the HF glue recomputes them
+after the backend has attended: from the same query and from the request's keys in the paged
+pool (which the backend has just written), the way HF's eager attention does: `QK^T * scaling`,
+the tanh softcap, the bottom-right causal and sliding-window mask, softmax in float32, cast back
+to the model's dtype. The fast path's output is never touched, so the other requests of the step
+are bitwise what they would be if nobody asked.
+
+The columns are the keys HF's own cache hands eager attention: the whole history on full layers,
+and on a sliding layer (whose `DynamicSlidingWindowLayer` keeps the last `window - 1` keys) the
+keys from `max(0, prefix_len - window + 1)` on. So a generation step's shape is
+`[1, H, 1, min(seq_len, window)]` there, exactly as HF eager shows it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from nnrun.forward_batch import ForwardBatch
+from nnrun.memory import KVPool
+
+
+class AttentionProbs:
+    """One attention layer's second output in a packed step: per batch row, that request's probabilities.
+
+    Only the rows that asked have an entry, `[1, Hq, q_len, kv_len]`; the interleaver serves each
+    request its own entry, or None (what HF's sdpa returns) when it did not ask.
+    """
+
+    def __init__(self, by_row: dict[int, torch.Tensor]) -> None:
+        self.by_row = by_row
+
+    def for_row(self, row: int) -> torch.Tensor | None:
+        return self.by_row.get(row)
+
+    def replaced(self, by_row: dict[int, torch.Tensor | None]) -> AttentionProbs:
+        """A copy with some rows' entries replaced (None drops an entry); this one is left as it is."""
+        merged = dict(self.by_row)
+        for row, value in by_row.items():
+            if value is None:
+                merged.pop(row, None)
+            else:
+                merged[row] = value
+        return AttentionProbs(merged)
+
+    def __repr__(self) -> str:
+        shapes = {row: tuple(t.shape) for row, t in self.by_row.items()}
+        return f"AttentionProbs({shapes})"
+
+
+@dataclass
+class _AskingRequest:
+    row: int  # batch row
+    q_start: int  # first flat index of its new tokens
+    q_len: int
+    prefix_len: int
+    kv_slots: torch.Tensor  # [seq_len] int64 on the device: its whole KV after this step
+    by_window: dict = field(default_factory=dict)  # window -> (slots, mask): the same for every layer of a step
+
+    def keys(self, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The slots of the keys HF's cache holds for this layer kind, and the mask over them (None: all allowed)."""
+        if sliding_window not in self.by_window:
+            seq_len = self.prefix_len + self.q_len
+            kv_start = 0 if sliding_window is None else max(0, self.prefix_len - sliding_window + 1)
+            device = self.kv_slots.device
+            q_pos = torch.arange(self.prefix_len, seq_len, device=device)[:, None]  # [n, 1]
+            kv_pos = torch.arange(kv_start, seq_len, device=device)[None, :]  # [1, L]
+            allowed = kv_pos <= q_pos  # [n, L]
+            if sliding_window is not None:
+                allowed &= kv_pos > q_pos - sliding_window
+            mask = None if self.q_len == 1 else allowed  # one query sees every key it is given (the window's)
+            self.by_window[sliding_window] = (self.kv_slots[kv_start:], mask)
+        return self.by_window[sliding_window]
+
+
+@dataclass
+class AttentionProbsPlan:
+    """The step's requests that asked, with where their queries and keys are; built once per step."""
+
+    requests: list[_AskingRequest]
+
+    @classmethod
+    def for_batch(cls, forward_batch: ForwardBatch, device: torch.device) -> AttentionProbsPlan | None:
+        """None when no request of the step asked (the common case: nothing is computed)."""
+        rows = forward_batch.attention_probs_rows
+        if not rows:
+            return None
+        return cls([
+            _AskingRequest(row, forward_batch.extend_start_loc[row], forward_batch.extend_seq_lens[row],
+                           forward_batch.prefix_lens[row], forward_batch.kv_slots[row].to(device))
+            for row in rows
+        ])
+
+    def compute(self, kv_pool: KVPool, layer_idx: int, q: torch.Tensor, scaling: float,
+                sliding_window: int | None, softcap: float | None) -> AttentionProbs:
+        """`q` is the step's `[N, Hq, D]` queries; the layer's keys are already in the pool."""
+        k_flat = kv_pool.k_flat(layer_idx)  # [num_slots, Hkv, D]
+        by_row = {}
+        for req in self.requests:
+            slots, mask = req.keys(sliding_window)
+            by_row[req.row] = _eager_probs(q[req.q_start : req.q_start + req.q_len], k_flat.index_select(0, slots),
+                                           mask, scaling, softcap)
+        return AttentionProbs(by_row)
+
+
+def _eager_probs(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+                 softcap: float | None) -> torch.Tensor:
+    """HF eager's softmax for one request: q `[n, Hq, D]`, keys `[L, Hkv, D]`, mask `[n, L]` -> `[1, Hq, n, L]`."""
+    num_q, num_q_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    grouped_q = q.view(num_q, num_kv_heads, num_q_heads // num_kv_heads, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+    scores = torch.matmul(grouped_q, keys.permute(1, 2, 0)[:, None]) * scaling  # [Hkv, G, n, L] (HF's repeat_kv)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [Hkv, G, n, L]
+    return probs.view(1, num_q_heads, num_q, -1)  # [1, Hq, n, L]
