@@ -71,6 +71,10 @@ class InvalidWriteError(ValueError):
     """An assignment the step cannot take: thrown into the block at its line, ending that request only."""
 
 
+class AmbiguousLayoutError(InvalidWriteError):
+    """A `.source` value whose token dim cannot be told from the step's layout."""
+
+
 class ShapeMismatchError(InvalidWriteError):
     """An assignment whose tensor does not have the shape of the value it replaces."""
 
@@ -116,10 +120,33 @@ class PackedBatcher(Batcher):
         return group.token_spans if layout is Layout.TOKENS else group.logit_spans
 
     def _is_packed(self, tensor: torch.Tensor, layout: Layout) -> bool:
+        return self._packed_dim(tensor, layout) is not None
+
+    def _packed_dim(self, tensor: torch.Tensor, layout: Layout) -> int | None:
+        """The dim that holds the step's tokens (0 for rows), or None for a value every request shares.
+
+        Inside a module's `.source`, attention's operations hold head-first `[1, heads, N, head_dim]`
+        values (after `.transpose(1, 2)`): their tokens are dim 2. Where dims 1 and 2 both have the
+        step's size, nothing says which holds the tokens, so such a read is refused rather than guessed.
+        """
         if layout is Layout.ROWS:
-            return tensor.dim() >= 1 and tensor.shape[0] == self.num_rows
+            return 0 if tensor.dim() >= 1 and tensor.shape[0] == self.num_rows else None
         size = self.num_tokens if layout is Layout.TOKENS else self.num_logits
-        return tensor.dim() >= 2 and tensor.shape[0] == 1 and tensor.shape[1] == size
+        if tensor.dim() < 2 or tensor.shape[0] != 1:
+            return None
+        token_first = tensor.shape[1] == size
+        if layout is not Layout.TOKENS or ".source." not in self.location or tensor.dim() < 3:
+            return 1 if token_first else None
+        head_first = tensor.shape[2] == size and tensor.dtype is not torch.bool
+        if token_first and head_first:
+            if self.num_rows == 1:  # one request holds the whole step: either dim serves it all
+                return 1
+            raise AmbiguousLayoutError(
+                f"{_module_of(self.location)}: cannot tell which dim of this {tuple(tensor.shape)} value holds the "
+                f"step's {size} tokens (dims 1 and 2 both have that size) while other requests share the step; read "
+                "the value where it is token-first (e.g. the projection's output) instead"
+            )
+        return 1 if token_first else 2 if head_first else None
 
     # ---- reads ----------------------------------------------------------------------------
     def narrow(self, value: Any, group: Any) -> Any:
@@ -134,8 +161,14 @@ class PackedBatcher(Batcher):
         return self._narrow_tensor(leaf, group, layout)
 
     def _narrow_tensor(self, tensor: torch.Tensor, group: PackedGroup, layout: Layout) -> torch.Tensor:
-        if not self._is_packed(tensor, layout):
+        dim = self._packed_dim(tensor, layout)
+        if dim is None:
             return tensor
+        if dim == 2:  # head-first: narrow the token-first view, hand back head-first
+            return self._narrow_token_first(tensor.transpose(1, 2), group, layout).transpose(1, 2)
+        return self._narrow_token_first(tensor, group, layout)
+
+    def _narrow_token_first(self, tensor: torch.Tensor, group: PackedGroup, layout: Layout) -> torch.Tensor:
         if layout is Layout.ROWS:
             if group.is_single:
                 view = tensor.narrow(0, group.rows[0], 1)
@@ -251,10 +284,14 @@ class PackedBatcher(Batcher):
 
     def _served_shape(self, full: torch.Tensor, group: PackedGroup, layout: Layout) -> tuple[int, ...]:
         lead = self._served_lead(group, layout)
+        if self._packed_dim(full, layout) == 2:  # head-first: [k, heads, T_max, ...]
+            return (lead[0], full.shape[1], lead[1], *full.shape[3:])
         return (*lead, *full.shape[1 if layout is Layout.ROWS else 2 :])
 
     def _write(self, full: torch.Tensor, group: PackedGroup, layout: Layout, edited: torch.Tensor) -> None:
         edited = edited.to(dtype=full.dtype, device=full.device)
+        if self._packed_dim(full, layout) == 2:  # head-first: write through token-first views of both
+            full, edited = full.transpose(1, 2), edited.transpose(1, 2)
         if layout is Layout.ROWS:
             for i, row in enumerate(group.rows):
                 full[row].copy_(edited[i])

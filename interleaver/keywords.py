@@ -37,6 +37,28 @@ def _check_kwargs(where: str, kwargs: dict, allowed: Sequence[str]) -> None:
         raise TypeError(f"{where}() got unsupported keyword(s) {', '.join(unknown)}; nnrun accepts: {accepted}")
 
 
+# nnsight's choices of where a trace runs: a local nnrun model runs it on its own engine.
+_BACKENDS = {
+    "remote": "remote=True runs traces on NDIF; nnrun runs them on its own engine (to share one engine, "
+              "start `nnrun serve` and build the model with LanguageModel(name, serve=url))",
+    "backend": "custom nnsight backends (a trace runs as requests on nnrun's engine)",
+    "serve": "this model runs on its own engine; build it with LanguageModel(name, serve=url) to send traces to "
+             "an `nnrun serve` engine",
+    "blocking": "blocking=False belongs to remote models (LanguageModel(name, serve=url))",
+    "api_key": "api_key belongs to remote models (LanguageModel(name, serve=url, api_key=...))",
+}
+_BACKEND_DEFAULTS = {"remote": False, "backend": None, "serve": None, "blocking": True, "api_key": None}
+
+
+def refuse_backends(where: str, kwargs: dict) -> None:
+    """Drop nnsight's where-to-run keywords at their defaults; refuse any other value by name."""
+    for name, reason in _BACKENDS.items():
+        if name in kwargs:
+            value = kwargs.pop(name)
+            if value is not _BACKEND_DEFAULTS[name] and value != _BACKEND_DEFAULTS[name]:
+                raise NotImplementedError(f"{where}({name}={value!r}) is not supported here: {reason}")
+
+
 # ---- constructor ------------------------------------------------------------------------------
 # nnsight keywords that choose what nnrun always does: accepted, with no effect.
 _NO_OP = {

@@ -87,7 +87,12 @@ class PackedMediator(Mediator):
             if self.iteration:  # the first hit of a pinned step relaxes the pin, as in nnsight
                 self.iteration = None
             if pending.event is Event.VALUE:
-                served = batcher.narrow(value, group)
+                try:
+                    served = batcher.narrow(value, group)
+                except InvalidWriteError as error:  # a read the step cannot serve this request alone
+                    self.pending = self.throw(error)
+                    pending = self.pending
+                    continue
                 if torch.is_grad_enabled():  # a step that runs with autograd: `.retain_grad()` must work
                     sink_grads(value, served)
                 versions = _versions(served)

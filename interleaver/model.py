@@ -26,7 +26,7 @@ from interleaver.attach import mirror_on_engine
 from interleaver.edits import edit_invocations, edits_ask_for_grad, generate_with_edits
 from interleaver.generator import add_generator, user_streamer
 from interleaver.keywords import (GENERATE_KWARGS, INVOKE_KWARGS, STREAMER_KWARGS, TRACE_KWARGS, _check_kwargs,
-                                  apply_tokenizer_settings, engine_kwargs)
+                                  apply_tokenizer_settings, engine_kwargs, refuse_backends)
 from interleaver.mediator import PackedInterleaver, ServedValues
 from interleaver.requests import Invocation, TraceJob, pad_sequences
 from interleaver.runner import NNsightGPUModelRunner
@@ -129,13 +129,26 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         add_generator(self)
 
     # ---- tracing --------------------------------------------------------------------------
-    def trace(self, *inputs: Any, **kwargs: Any) -> NNrunTracer:
-        """`with model.trace(prompt):` one forward of each prompt; `tracer.invoke(...)` for several."""
+    def trace(self, *inputs: Any, trace: bool = True, **kwargs: Any) -> Any:
+        """`with model.trace(prompt):` one forward of each prompt; `tracer.invoke(...)` for several.
+
+        `model.trace(prompt, trace=False)` runs the forward at once and returns the model's output.
+        """
+        refuse_backends("trace", kwargs)
         _check_kwargs("trace", kwargs, TRACE_KWARGS + ATTENTION_KWARGS)  # generation settings: ignored, as on HF
+        if not trace:
+            return self._forward_plain(inputs, kwargs)
         return NNrunTracer(self, "trace", *inputs, **kwargs)
+
+    def _forward_plain(self, inputs: tuple, kwargs: dict) -> Any:
+        """What `trace(..., trace=False)` returns: the output of the model's forward over the prompts."""
+        with self.trace(*inputs, **kwargs) as tracer:
+            output = tracer.result.save()
+        return output
 
     def generate(self, *inputs: Any, **kwargs: Any) -> Any:
         """`with model.generate(prompt, max_new_tokens=...)`; called plainly, returns the token ids."""
+        refuse_backends("generate", kwargs)
         _check_kwargs("generate", kwargs, GENERATE_KWARGS + STREAMER_KWARGS + ATTENTION_KWARGS)
         tracer = NNrunTracer(self, "generate", *inputs, **kwargs)
         try:

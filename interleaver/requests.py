@@ -357,14 +357,12 @@ def _stack_outputs(outputs: list[Any]) -> Any:
     """One request's model output as is; several stacked as HF stacks a left-padded batch."""
     if len(outputs) == 1 or any(out is None for out in outputs):
         return outputs[0]
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
     logits = [out.logits for out in outputs]  # each [1, T_i, V]
     max_len = max(t.shape[1] for t in logits)
     padded = logits[0].new_zeros((len(logits), max_len, logits[0].shape[-1]))  # [k, T_max, V]
     for i, t in enumerate(logits):
         padded[i, max_len - t.shape[1] :] = t[0]
-    return CausalLMOutputWithPast(logits=padded)
+    return type(outputs[0])(logits=padded)
 
 
 def generated_ids(job: TraceJob, request_ids: list[str]) -> torch.Tensor:

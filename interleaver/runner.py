@@ -123,7 +123,8 @@ class NNsightGPUModelRunner(ModelRunner):
         for req, (start, length) in zip(forward_batch.reqs, _logit_spans(forward_batch)):
             job = _job_of(req)
             if job is not None and job.kind == "trace":
-                job.results[req.request_id] = CausalLMOutputWithPast(logits=logits[start : start + length][None])
+                output_type = getattr(self, "output_type", CausalLMOutputWithPast)
+                job.results[req.request_id] = output_type(logits=logits[start : start + length][None])
 
     # ---- 3. logits and samples ------------------------------------------------------------
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> SamplerOutput:

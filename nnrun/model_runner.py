@@ -283,6 +283,7 @@ class ModelRunner:
                 use_cache=False,
                 logits_to_keep=forward_batch.logits_indices.to(self.device),
             )
+        self.output_type = type(output)  # the model's own output class (GPT-2's differs from Llama's)
         return output.logits[0]
 
     def _ensure_paged_attention(self) -> None:

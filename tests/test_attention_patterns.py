@@ -120,8 +120,9 @@ def test_engine_steps_mixing_prefills_and_decodes(family):
     for label, flags in (("asking", asks), ("none", [False] * len(asks))):
         with nnrun.LLM(model, page_size=4, max_num_batched_tokens=48) as llm:
             recorded = record_probabilities(llm)
-            handles = [llm.submit(p, params, extra_args={OUTPUT_ATTENTIONS_ARG: True} if flag else None)
-                       for p, flag in zip(prompts, flags)]
+            with llm.paused():  # every request waits before the first step: the same steps in both runs
+                handles = [llm.submit(p, params, extra_args={OUTPUT_ATTENTIONS_ARG: True} if flag else None)
+                           for p, flag in zip(prompts, flags)]
             outputs = [handle.result() for handle in handles]
             windows = [layer.sliding_window for layer in llm.runner.layers]
         runs[label] = (outputs, recorded, windows)

@@ -169,3 +169,51 @@ def test_a_hub_style_load_takes_revision_and_torch_dtype():
         assert out.dtype == torch.bfloat16
     finally:
         ours.shutdown()
+
+
+# ---- where a trace runs, and trace(trace=False) --------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(tokenizer):
+    model = build(tokenizer)
+    yield model
+    model.shutdown()
+
+
+def test_trace_false_returns_hfs_forward_output():
+    import nnrun
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nnrun.assets import bundled_model_path
+
+    path = bundled_model_path("tiny-facts-gpt2")
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ours = nnrun.LanguageModel("tiny-facts-gpt2")
+    try:
+        prompt = "The Eiffel Tower is in"
+        with torch.no_grad():
+            expected = hf(**tokenizer(prompt, return_tensors="pt"))
+        actual = ours.trace(prompt, trace=False)
+        assert type(actual) is type(expected)  # GPT-2's own output class, as on HF
+        torch.testing.assert_close(actual.logits, expected.logits, atol=1e-5, rtol=1e-5)
+        with ours.trace(prompt) as tracer:
+            result = tracer.result.save()
+        assert type(result) is type(expected)
+    finally:
+        ours.shutdown()
+
+
+@pytest.mark.parametrize("keyword, value", [("remote", True), ("backend", object()), ("serve", "http://127.0.0.1:1"),
+                                            ("blocking", False), ("api_key", "k")])
+def test_where_to_run_keywords_are_refused_by_name_unless_default(keyword, value, tiny):
+    with pytest.raises(NotImplementedError, match=keyword):
+        with tiny.trace("the cat sat", **{keyword: value}):
+            pass
+    with pytest.raises(NotImplementedError, match=keyword):
+        tiny.generate("the cat sat", max_new_tokens=1, **{keyword: value})
+
+
+def test_where_to_run_keywords_at_their_defaults_are_accepted(tiny):
+    with tiny.trace("the cat sat", remote=False, backend=None, blocking=True):
+        out = tiny.lm_head.output.save()
+    assert out.shape[1] == 3

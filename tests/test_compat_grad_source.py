@@ -235,3 +235,57 @@ def test_a_kept_drilled_copy_stops_standing_in_once_the_call_changes():
     assert sourced["op"] is not None
     forget_if_other_callable(sourced, "op", second)
     assert sourced["op"] is None
+
+
+# ---- head-first values inside `.source`, with other requests in the step ---------------------
+LONG = "the cat sat on the mat in the garden"  # longest: HF's batch pads the other invoke to it
+SHORT = "one two"
+
+
+def _query_states(model, edit_short=False):
+    with model.trace() as tracer:
+        with tracer.invoke(LONG):
+            long_q = model.model.layers[0].self_attn.source.query_states_0.output.save()  # [1, H, T, D]
+            long_logits = model.lm_head.output.save()
+        with tracer.invoke(SHORT):
+            short_q = model.model.layers[0].self_attn.source.query_states_0.output
+            if edit_short:
+                short_q[:] = 0  # in place, on this request's tokens only
+            short_q = short_q.save()
+    return long_q, short_q, long_logits
+
+
+def test_head_first_source_values_are_each_requests_own(pair):
+    oracle, ours = pair
+    (hf_long, hf_short, _), (long_q, short_q, _) = on_both(pair, _query_states)
+    assert_same(hf_long, long_q)
+    n = len(SHORT.split())
+    assert short_q.shape == (*hf_short.shape[:2], n, hf_short.shape[3])  # its own tokens, not the whole step's
+    assert_same(hf_short[:, :, -n:], short_q)  # HF left-pads it to the batch; its real tokens are the same
+
+
+def test_an_in_place_edit_of_a_head_first_value_stays_in_its_request(pair):
+    _, ours = pair
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, clean_short, clean_logits = _query_states(ours)
+        _, edited_short, edited_logits = _query_states(ours, edit_short=True)
+    assert edited_short.abs().sum() == 0 and clean_short.abs().sum() > 0
+    assert torch.equal(clean_logits, edited_logits)  # the other invoke's request is untouched
+
+
+def test_a_head_first_value_whose_token_dim_is_ambiguous_is_refused(pair):
+    from interleaver.batcher import AmbiguousLayoutError
+
+    _, ours = pair
+    heads = ours.config.num_attention_heads  # 4: two invokes of 2 tokens make a step of 4 tokens
+    with pytest.raises(AmbiguousLayoutError, match="query_states_0"):
+        with ours.trace() as tracer:
+            with tracer.invoke("one two"):
+                model_q = ours.model.layers[0].self_attn.source.query_states_0.output.save()
+            with tracer.invoke("three four"):
+                pass
+    assert heads == 4
+    with ours.trace("one two three four"):  # one request alone: nothing to tell apart
+        alone = ours.model.layers[0].self_attn.source.query_states_0.output.save()
+    assert alone.shape[2] == 4
