@@ -12,11 +12,16 @@ Prints tokens/s of each and the ratios of extraction to each (these machines are
 the ratios mean much). Targets: at least 0.9x of (a), 2x of (b) and (c).
 
     python benchmarks/extract.py [--num-prompts 2000] [--device cpu] [--skip-nnsight]
+
+With `--engines 1,2` it measures the Ray executor instead: the same job on 1, 2, ... engine
+actors (a local Ray cluster; one CPU slot and one torch thread per engine, or one GPU each),
+tokens/s of the job once the engines are up, their start-up, and each engine's peak memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
@@ -131,6 +136,77 @@ def _id_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
                                    pad_token="t0")
 
 
+def time_engines(config, prompts: list[list[int]], module: str, args: argparse.Namespace,
+                 num_engines: int) -> dict[str, float]:
+    """One extraction job on `num_engines` Ray engines: job and start-up seconds, peak RSS per engine, folder hash."""
+    import hashlib
+    import threading
+    from pathlib import Path
+
+    import ray
+
+    from nnrun.distributed import RayExecutor
+
+    engines: list = []
+    peaks: dict[int, int] = {}
+    done = threading.Event()
+
+    def watch() -> None:  # peak resident memory of each engine process, from /proc
+        while not engines and not done.is_set():
+            time.sleep(0.05)
+        pids = [ray.get(e.status.options(concurrency_group="control").remote())[0] for e in engines] if engines else []
+        while not done.wait(0.2):
+            for pid in pids:
+                peaks[pid] = max(peaks.get(pid, 0), _peak_rss_bytes(pid))
+
+    out_dir = tempfile.mkdtemp(prefix="nnrun-extract-bench-")
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        start = time.perf_counter()
+        llm_kwargs = {"load_format": "dummy", "device": args.device, "dtype": "float32",
+                      "max_num_batched_tokens": args.batch_tokens,
+                      "max_total_tokens": max(args.batch_tokens, args.max_len)}
+        summary = nnrun.extract(config, prompts, [module], out_dir, shard_tokens=args.shard_tokens, progress=False,
+                                llm_kwargs=llm_kwargs, executor=RayExecutor(num_engines, on_engines=engines.extend))
+        total_s = time.perf_counter() - start
+        digest = hashlib.sha256()
+        for path in sorted(Path(out_dir).iterdir()):
+            digest.update(path.read_bytes())
+    finally:
+        done.set()
+        watcher.join()
+        shutil.rmtree(out_dir, ignore_errors=True)
+    return {"job_s": summary.elapsed_s, "startup_s": total_s - summary.elapsed_s, "tokens": summary.num_new_tokens,
+            "peak_rss": max(peaks.values(), default=0), "sha256": digest.hexdigest()[:12]}
+
+
+def _peak_rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    except OSError:  # the process ended
+        return 0
+
+
+def compare_engines(config, prompts: list[list[int]], args: argparse.Namespace) -> None:
+    """`--engines 1,2`: tokens/s of one job on each number of engines, on a local Ray cluster."""
+    import ray
+
+    counts = [int(n) for n in args.engines.split(",")]
+    ray.init(num_cpus=max(counts), include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    try:
+        results = {n: time_engines(config, prompts, args.module, args, n) for n in counts}
+    finally:
+        ray.shutdown()
+    base = results[counts[0]]["tokens"] / results[counts[0]]["job_s"]
+    for n, r in results.items():
+        rate = r["tokens"] / r["job_s"]
+        print(f"{n} engines: {rate:.0f} tokens/s ({rate / base:.2f}x of {counts[0]}), job {r['job_s']:.1f} s after "
+              f"{r['startup_s']:.1f} s of start-up; peak memory per engine {r['peak_rss'] / 2**20:.0f} MiB; "
+              f"folder sha256 {r['sha256']}")
+
+
 def _layer_of(module: str) -> int | None:
     parts = module.split(".")
     return int(parts[2]) if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() else None
@@ -154,11 +230,18 @@ def main() -> None:
     parser.add_argument("--skip-nnsight", action="store_true")
     parser.add_argument("--repeats", type=int, default=1, help="rounds; each contender's best time counts")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--engines", default=None, metavar="N,M", help="compare Ray engine counts, e.g. 1,2")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
     config = llama_30m_config()
+    if args.engines:
+        prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, config.vocab_size)
+        print(f"model: dummy Llama 30M on {args.device}; {len(prompts)} prompts, {sum(map(len, prompts))} tokens; "
+              f"module {args.module}; {os.cpu_count()} CPUs")
+        compare_engines(config, prompts, args)
+        return
     llm = nnrun.LLM(config, load_format="dummy", device=args.device, dtype="float32",
                     max_num_batched_tokens=args.batch_tokens, max_total_tokens=max(args.batch_tokens, args.max_len))
     hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()

@@ -39,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                         help="dummy: random weights from the model's config")
     engine.add_argument("--batch-tokens", type=int, default=None, help="tokens per forward (max_num_batched_tokens)")
+    scale = parser.add_argument_group("many engines (Ray; pip install 'nnrun[distributed]')")
+    scale.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                       help="run the job on Ray engines: the cluster at ADDRESS, else $RAY_ADDRESS, else a new local "
+                            "one; the folder is byte-identical to a single-process run")
+    scale.add_argument("--engines", type=int, default=None, metavar="N",
+                       help="engine actors with --ray (one GPU each where the cluster has GPUs; default 1)")
+    scale.add_argument("--verbose", "-v", action="store_true", help="with --ray: a progress line per engine")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
     missing = [flag for flag, value in job_options.items() if value is None]
     if missing:
         return _usage_error(f"extracting into --out needs {', '.join(missing)}")
+    if args.ray is None and (args.engines is not None or args.verbose):
+        return _usage_error("--engines and --verbose apply to a job on Ray: add --ray [ADDRESS]")
     return _run_job(args)
 
 
@@ -93,9 +102,15 @@ def _run_job(args: argparse.Namespace) -> int:
             args.model, args.input, args.modules, args.out, positions=args.positions, dtype=args.dtype,
             max_length=args.max_length, truncate=args.truncate, on_error=args.on_error, text_field=args.text_field,
             limit=args.limit, shard_tokens=args.shard_tokens, resume=not args.no_resume, progress=not args.quiet,
-            llm_kwargs=llm_kwargs,
+            llm_kwargs=llm_kwargs, **_executor_options(args),
         )
     except (ValueError, OSError) as error:  # InputError, SettingsMismatchError, DamagedFolderError, ShardWriteError
         print(f"nnrun extract: error: {error}", file=sys.stderr)
         return 1
     return 0 if summary.is_complete else 1
+
+
+def _executor_options(args: argparse.Namespace) -> dict:
+    if args.ray is None:
+        return {}
+    return {"executor": "ray", "num_engines": args.engines, "ray_address": args.ray or None, "verbose": args.verbose}

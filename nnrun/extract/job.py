@@ -9,6 +9,7 @@ the shard, and commit it in the manifest. See plan.py for why a resume is byte-i
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,8 @@ def extract(model: Any, prompts: Any, modules: list[str] | str, out_dir: str | P
             positions: str = "all", dtype: str | torch.dtype | None = None, max_length: int | None = None,
             truncate: bool = False, on_error: str = "stop", text_field: str = "text", limit: int | None = None,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, resume: bool = True, progress: bool = True,
-            llm_kwargs: dict[str, Any] | None = None) -> ExtractionSummary:
+            llm_kwargs: dict[str, Any] | None = None, executor: Any = "local", num_engines: int | None = None,
+            ray_address: str | None = None, verbose: bool = False) -> ExtractionSummary:
     """Extract `modules`' values for every prompt into shards under `out_dir`; see `load_activations`.
 
     `model`: an `nnrun.LLM`, or anything `nnrun.LLM` accepts (built with `tokenizer` and
@@ -70,10 +72,22 @@ def extract(model: Any, prompts: Any, modules: list[str] | str, out_dir: str | P
     `prompts`: an iterable of strings or token id lists, or the path of a .txt / .jsonl /
     .parquet file or a saved HF dataset folder (`text_field` names the column).
     `modules`: HF module paths, optionally ending in ".input" or ".output" (the default).
+    `executor="ray"` (or an `nnrun.distributed.RayExecutor` for more options): spread the shards
+    over `num_engines` engine actors on the Ray cluster at `ray_address` (default: the connected
+    one, else $RAY_ADDRESS, else a new local one), `verbose` adds a progress line per engine; the
+    folder is byte-identical to the one a single process writes.
     """
     options = ExtractionOptions(positions, dtype, max_length, truncate, on_error, shard_tokens, resume, progress)
     source = open_prompts(prompts, text_field=text_field, limit=limit)
-    llm, is_owned = _as_llm(model, tokenizer, llm_kwargs, progress)
+    if not (isinstance(executor, str) and executor == "local"):
+        from nnrun.distributed.cluster import as_executor  # Ray itself is imported only once a job runs on it
+        from nnrun.distributed.executor import extract_on_ray
+
+        ray_executor = as_executor(executor, num_engines, ray_address, verbose)
+        return extract_on_ray(model, tokenizer, llm_kwargs, source, modules, Path(out_dir), options, ray_executor)
+    if num_engines is not None or ray_address is not None or verbose:
+        raise ValueError("num_engines, ray_address and verbose apply to executor='ray'")
+    llm, is_owned = as_llm(model, tokenizer, llm_kwargs, progress)
     try:
         return ExtractionJob(llm, source, modules, Path(out_dir), options).run()
     finally:
@@ -81,7 +95,8 @@ def extract(model: Any, prompts: Any, modules: list[str] | str, out_dir: str | P
             llm.shutdown()
 
 
-def _as_llm(model: Any, tokenizer: Any, llm_kwargs: dict[str, Any] | None, progress: bool) -> tuple[Any, bool]:
+def as_llm(model: Any, tokenizer: Any, llm_kwargs: dict[str, Any] | None, progress: bool) -> tuple[Any, bool]:
+    """`model` itself when it is an `nnrun.LLM`, else one built from it; and whether the caller owns (shuts down) it."""
     from transformers.utils import logging as hf_logging
 
     from nnrun.engine import LLM
@@ -148,18 +163,8 @@ class ExtractionJob:
         return {"name": str(name), "class": type(self.llm.model).__name__, "device": str(self.runner.device)}
 
     def run(self) -> ExtractionSummary:
-        manifest = open_folder(self.out_dir, self.settings(), self.model_info(), self.options.resume)
-        records = continue_folder(self.out_dir, manifest, self.source)
-        num_resumed = len(manifest.shards)
-        progress = Progress(self.options.progress, self.source.total, initial=manifest.num_consumed)
-        summary = None
-        try:
-            if records is not None:
-                self._extract(manifest, records, progress)
-            summary = self._summary(manifest, progress, num_resumed)
-        finally:
-            progress.close(summary)
-        return summary
+        return run_in_folder(self.out_dir, self.settings(), self.model_info(), self.source, self.options,
+                             self._extract)
 
     def _extract(self, manifest: Manifest, records: HashedRecords, progress: Progress) -> None:
         """Extract the input from `records` (positioned at `manifest.num_consumed`) to its end."""
@@ -169,19 +174,18 @@ class ExtractionJob:
                 if not plan.prompts and not plan.skipped:
                     continue  # the input ended right after the last shard
                 self._check_skipped(plan)
-                buffer = self._run_shard(plan, progress) if plan.prompts else None
+                buffer = self.run_shard(plan, progress) if plan.prompts else None
                 progress.update(0, 0, len(plan.skipped))
                 skipped = [item.to_json() for item in plan.skipped]
                 committer.submit(ShardCommit(buffer, skipped, plan.end, records.commit(plan.end)))
             committer.finish()
 
     def _check_skipped(self, plan: ShardPlan) -> None:
-        if plan.skipped and self.options.on_error == "stop":
-            item = plan.skipped[0]
-            raise InputError(f"{item.message()}. Stopped before writing anything after the last complete shard; "
-                             "fix the input, or pass on_error='skip' (CLI: --on-error skip) to leave such items out")
+        error = stop_error(plan, self.options.on_error)
+        if error is not None:
+            raise error
 
-    def _run_shard(self, plan: ShardPlan, progress: Progress) -> ShardBuffer:
+    def run_shard(self, plan: ShardPlan, progress: Progress) -> ShardBuffer:
         """Forward every batch of the shard.
 
         The rows stay on the model's device until the committer thread copies them out, so a GPU
@@ -214,10 +218,40 @@ class ExtractionJob:
             self.can_stop_early = True
         return {name: gather_rows(value, starts, lengths, self.options.positions) for name, value in flat.items()}
 
-    def _summary(self, manifest: Manifest, progress: Progress, num_resumed: int) -> ExtractionSummary:
-        return ExtractionSummary(
-            out_dir=str(self.out_dir), num_prompts=manifest.num_prompts, num_tokens=manifest.num_tokens,
+
+def stop_error(plan: ShardPlan, on_error: str) -> InputError | None:
+    """The error that ends the job at this plan's first bad item under on_error="stop"; None to go on."""
+    if not plan.skipped or on_error != "stop":
+        return None
+    return InputError(f"{plan.skipped[0].message()}. Stopped before writing anything after the last complete shard; "
+                      "fix the input, or pass on_error='skip' (CLI: --on-error skip) to leave such items out")
+
+
+ExtractRest = Callable[[Manifest, HashedRecords, Progress], None]
+
+
+def run_in_folder(out_dir: Path, settings: dict[str, Any], model_info: dict[str, Any], source: PromptSource,
+                  options: ExtractionOptions, extract_rest: ExtractRest,
+                  make_progress: Callable[..., Progress] = Progress) -> ExtractionSummary:
+    """Open the folder (new or resumed), let `extract_rest` extract the input from where it stands, summarize.
+
+    The seam between a job and where its forwards run: this process (ExtractionJob) or many
+    engines (nnrun.distributed); both commit shards through a ShardCommitter in input order.
+    """
+    manifest = open_folder(out_dir, settings, model_info, options.resume)
+    records = continue_folder(out_dir, manifest, source)
+    num_resumed = len(manifest.shards)
+    progress = make_progress(options.progress, source.total, initial=manifest.num_consumed)
+    summary = None
+    try:
+        if records is not None:
+            extract_rest(manifest, records, progress)
+        summary = ExtractionSummary(
+            out_dir=str(out_dir), num_prompts=manifest.num_prompts, num_tokens=manifest.num_tokens,
             num_skipped=len(manifest.skipped), num_shards=len(manifest.shards), num_resumed_shards=num_resumed,
             num_new_prompts=progress.num_prompts, num_new_tokens=progress.num_tokens,
             elapsed_s=progress.elapsed_s, is_complete=manifest.is_complete,
         )
+    finally:
+        progress.close(summary)
+    return summary

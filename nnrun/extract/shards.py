@@ -83,6 +83,16 @@ class ShardBuffer:
         flat = [t for ids in token_id_lists for t in ids]
         self._token_ids.append(torch.tensor(flat, dtype=torch.int32))  # [num_tokens of the batch]
 
+    def packed(self) -> "ShardBuffer":
+        """This buffer with each part joined into one host tensor: what an engine hands to another process."""
+        packed = ShardBuffer(self.modules)
+        packed.prompt_index = list(self.prompt_index)
+        packed.prompt_num_tokens = list(self.prompt_num_tokens)
+        packed.num_rows_per_prompt = list(self.num_rows_per_prompt)
+        packed._token_ids = [torch.cat(self._token_ids)] if self._token_ids else []
+        packed._rows = {m: [torch.cat(parts).cpu()] if parts else [] for m, parts in self._rows.items()}
+        return packed
+
     def row_shapes(self) -> dict[str, list[int]]:
         """Each module's per-row shape, e.g. [H]."""
         return {module: list(parts[0].shape[1:]) for module, parts in self._rows.items() if parts}

@@ -38,7 +38,7 @@ class TokenActivationStream(IterableDataset):
             for block in rows:
                 yield from block
         else:
-            yield from _rebatch(rows, self.batch_size)
+            yield from rebatch(rows, self.batch_size)
 
     def _rows(self) -> Iterator[torch.Tensor]:
         """Each assigned shard's rows `[R, *shape]`, permuted when shuffling."""
@@ -55,7 +55,7 @@ class TokenActivationStream(IterableDataset):
             yield rows
 
 
-def _rebatch(blocks: Iterator[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:
+def rebatch(blocks: Iterator[torch.Tensor], batch_size: int) -> Iterator[torch.Tensor]:
     """Full batches across block boundaries; only the last may be shorter."""
     carry: list[torch.Tensor] = []
     num_carried = 0

@@ -1,0 +1,78 @@
+"""Ray plumbing for the executors: connect to a cluster, and start engine actors with Ray's fault tolerance."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RayExecutor:
+    """How to spread a job over Ray: how many engines, where, and how faults are retried (by Ray)."""
+
+    num_engines: int = 1
+    address: str | None = None  # None: the connected cluster, else $RAY_ADDRESS, else a new local one
+    verbose: bool = False  # a progress line per engine
+    cpus_per_engine: int = 1  # CPU engines: Ray CPU slots and torch threads (they shape CPU float results)
+    max_restarts: int = 3  # Ray restarts a dead engine (a killed worker, a lost node) this many times
+    max_task_retries: int = 3  # and re-runs the range it was running
+    max_ranges_ahead: int | None = None  # ranges planned but not committed; None: 2 per engine
+    on_engines: Callable[[list[Any]], None] | None = None  # called with the actor handles once started (monitoring)
+
+    def __post_init__(self) -> None:
+        for name in ("num_engines", "cpus_per_engine"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_restarts", "max_task_retries"):
+            if getattr(self, name) < -1:
+                raise ValueError(f"{name} must be -1 (no limit) or more, got {getattr(self, name)}")
+        if self.max_ranges_ahead is not None and self.max_ranges_ahead < self.num_engines:
+            raise ValueError(f"max_ranges_ahead must be at least num_engines ({self.num_engines}), "
+                             f"got {self.max_ranges_ahead}")
+
+    @property
+    def window(self) -> int:
+        return self.max_ranges_ahead if self.max_ranges_ahead is not None else 2 * self.num_engines
+
+
+def as_executor(executor: Any, num_engines: int | None, address: str | None, verbose: bool) -> RayExecutor:
+    """The RayExecutor that `nnrun.extract`'s executor= and its shorthands name."""
+    if isinstance(executor, RayExecutor):
+        changes = {"num_engines": num_engines, "address": address, "verbose": verbose or None}
+        return replace(executor, **{name: value for name, value in changes.items() if value is not None})
+    if executor != "ray":
+        raise ValueError(f"executor must be 'local', 'ray' or a RayExecutor, got {executor!r}")
+    return RayExecutor(num_engines=1 if num_engines is None else num_engines, address=address, verbose=verbose)
+
+
+def connect(address: str | None) -> bool:
+    """Join a Ray cluster unless this process already has; True when this call connected (and should leave)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        ray.init(include_dashboard=False, logging_level="WARNING")  # a local cluster, gone when we leave
+    else:
+        ray.init(address=address, logging_level="WARNING")
+    return True
+
+
+def uses_gpus(llm_kwargs: dict[str, Any]) -> bool:
+    """Whether each engine should hold a GPU: the cluster has some and the job did not ask for the CPU."""
+    import ray
+
+    device = str(llm_kwargs.get("device") or "auto")
+    return device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def start_engines(engine_class: type, spec: Any, executor: RayExecutor, has_gpus: bool) -> list[Any]:
+    """`executor.num_engines` actors of `engine_class(spec)`: one GPU each, or `cpus_per_engine` CPU slots."""
+    import ray
+
+    resources = {"num_gpus": 1, "num_cpus": 1} if has_gpus else {"num_cpus": executor.cpus_per_engine}
+    actor_class = ray.remote(concurrency_groups={"control": 1})(engine_class).options(
+        max_restarts=executor.max_restarts, max_task_retries=executor.max_task_retries, **resources)
+    return [actor_class.remote(spec) for _ in range(executor.num_engines)]

@@ -1,0 +1,165 @@
+"""`nnrun.extract(..., executor="ray")`: one job's shards spread over engine actors, committed in input order.
+
+The driver (this process) does what a single-process job does around the forwards: it opens or
+resumes the folder (job.run_in_folder, resume.py), reads and tokenizes the input and plans the
+shards (plan.py). Each planned shard is a *range*: an idle engine pulls the next one and runs its
+forward batches exactly as a single process would, so its rows are the same bytes. Ranges finish
+in any order; a finished range's rows wait in Ray's object store until every range before it is
+committed, then the driver commits it through the same ShardCommitter. The folder is therefore
+always a prefix of the single-process folder (a killed driver resumes like a killed job), and
+complete, it is that folder byte for byte, whatever the number of engines.
+
+Faults are Ray's: an engine whose process dies is restarted (`max_restarts`) and the range it was
+running is sent again (`max_task_retries`). Nothing here retries by hand.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from nnrun.distributed.cluster import RayExecutor, connect, start_engines, uses_gpus
+from nnrun.distributed.engine import EngineSpec, ExtractionEngine, JobDescription
+from nnrun.distributed.progress import EngineProgress
+from nnrun.extract.committer import ShardCommit, ShardCommitter
+from nnrun.extract.inputs import PromptSource
+from nnrun.extract.job import ExtractionOptions, run_in_folder, stop_error
+from nnrun.extract.manifest import Manifest, settings_diff
+from nnrun.extract.plan import HashedRecords, ShardPlan, plan_shards
+from nnrun.extract.prepare import prepare_prompts
+from nnrun.extract.progress import ExtractionSummary
+
+__all__ = ["RayExecutor", "extract_on_ray"]
+
+
+def extract_on_ray(model: Any, tokenizer: Any, llm_kwargs: dict[str, Any] | None, source: PromptSource,
+                   modules: list[str] | str, out_dir: Path, options: ExtractionOptions,
+                   executor: RayExecutor) -> ExtractionSummary:
+    """Run the job on `executor.num_engines` engine actors; the folder is what one process would write."""
+    from nnrun.engine import LLM
+
+    if isinstance(model, LLM):
+        raise ValueError("executor='ray' builds one engine per actor: pass the model (a name, path or module) "
+                         "and llm_kwargs, not an nnrun.LLM")
+    import ray
+
+    has_connected = connect(executor.address)
+    engines: list[Any] = []
+    try:
+        has_gpus = uses_gpus(llm_kwargs or {})
+        spec = EngineSpec(model, tokenizer, dict(llm_kwargs or {}), modules, options, source.text_field, source.limit,
+                          num_threads=None if has_gpus else executor.cpus_per_engine)
+        engines = start_engines(ExtractionEngine, spec, executor, has_gpus)
+        if executor.on_engines is not None:
+            executor.on_engines(list(engines))
+        description = _describe(engines)
+        driver = RangeDriver(engines, description, out_dir, options, executor.window)
+        make_progress = partial(EngineProgress, num_engines=len(engines), verbose=executor.verbose)
+        return run_in_folder(out_dir, description.settings, description.model_info, source, options,
+                             driver.extract_rest, make_progress)
+    finally:
+        for engine in engines:
+            ray.kill(engine)  # also ends ranges still running after a failure
+        if has_connected:
+            ray.shutdown()
+
+
+def _describe(engines: list[Any]) -> JobDescription:
+    """The job as the engines see it; every engine must see the same (same weights, tokenizer, settings)."""
+    import ray
+
+    descriptions = ray.get([engine.describe.remote() for engine in engines])
+    first = descriptions[0]
+    for i, other in enumerate(descriptions[1:], start=1):
+        diffs = settings_diff(first.settings, other.settings)
+        if diffs:
+            raise ValueError(f"engine {i} differs from engine 0 ({'; '.join(diffs)}): every node must hold the "
+                             "same model files and library versions")
+    return first
+
+
+@dataclass
+class PendingRange:
+    """A planned range, from its dispatch until its commit."""
+
+    number: int
+    plan: ShardPlan
+    input_sha256: str  # digest of the input up to plan.end, taken in plan order
+    info_ref: Any = None  # ObjectRef of the engine's RangeInfo; None for a stretch of skipped items only
+    rows_ref: Any = None  # ObjectRef of the ShardBuffer
+    is_done: bool = False
+
+
+class RangeDriver:
+    """Hand ranges to idle engines and commit finished ones in plan order, at most `window` uncommitted."""
+
+    def __init__(self, engines: list[Any], description: JobDescription, out_dir: Path,
+                 options: ExtractionOptions, window: int) -> None:
+        self.engines = engines
+        self.description = description
+        self.out_dir = out_dir
+        self.options = options
+        self.window = window
+
+    def extract_rest(self, manifest: Manifest, records: HashedRecords, progress: EngineProgress) -> None:
+        """Extract the input from `records` (positioned at `manifest.num_consumed`) to its end."""
+        d = self.description
+        prepared = prepare_prompts(records, d.tokenizer, d.vocab_size, d.length_policy)
+        plans = (plan for plan in plan_shards(prepared, self.options.shard_tokens, manifest.num_consumed)
+                 if plan.prompts or plan.skipped)  # an empty last plan: the input ended right after a shard
+        with ShardCommitter(self.out_dir, manifest) as committer:
+            self._run(plans, records, committer, progress)
+            committer.finish()
+
+    def _run(self, plans: Iterator[ShardPlan], records: HashedRecords, committer: ShardCommitter,
+             progress: EngineProgress) -> None:
+        import ray
+
+        pending: deque[PendingRange] = deque()  # planned and not committed, in plan order
+        running: dict[Any, tuple[int, PendingRange]] = {}  # RangeInfo ref -> (engine, range)
+        idle = list(range(len(self.engines)))
+        number, has_more, stop = 0, True, None
+        while True:
+            while idle and has_more and stop is None and len(pending) < self.window:
+                plan = next(plans, None)
+                if plan is None:
+                    has_more = False
+                    break
+                stop = stop_error(plan, self.options.on_error)
+                if stop is not None:
+                    break  # commit what came before, as a single-process job does, then raise
+                item = PendingRange(number, plan, records.commit(plan.end), is_done=not plan.prompts)
+                if plan.prompts:
+                    engine = idle.pop(0)
+                    item.info_ref, item.rows_ref = self.engines[engine].run_range.options(num_returns=2).remote(
+                        number, plan.prompts)
+                    running[item.info_ref] = (engine, item)
+                pending.append(item)
+                number += 1
+            while pending and pending[0].is_done:
+                self._commit(pending.popleft(), committer, progress)
+            if not running:
+                if stop is not None:
+                    raise stop
+                if not has_more:
+                    return
+                continue
+            ready, _ = ray.wait(list(running), num_returns=1)
+            for ref in ready:
+                engine, item = running.pop(ref)
+                info = ray.get(ref)  # raises the range's failure once Ray's retries are spent
+                idle.append(engine)
+                item.is_done = True
+                progress.range_done(engine, len(item.plan.prompts), item.plan.num_tokens, info.pid)
+
+    def _commit(self, item: PendingRange, committer: ShardCommitter, progress: EngineProgress) -> None:
+        import ray
+
+        buffer = ray.get(item.rows_ref) if item.rows_ref is not None else None
+        skipped = [skip.to_json() for skip in item.plan.skipped]
+        committer.submit(ShardCommit(buffer, skipped, item.plan.end, item.input_sha256))
+        progress.update(0, 0, len(item.plan.skipped))
