@@ -1,4 +1,4 @@
-"""The `nnrun` command line: one subcommand per job (`nnrun extract ...`).
+"""The `nnrun` command line: one subcommand per job (`nnrun extract ...`, `nnrun serve ...`).
 
 A subcommand is a module with `add_arguments(parser)` and `run(args) -> exit code`; adding one
 is adding a line to SUBCOMMANDS. A subcommand's module (and torch with it) loads only when
@@ -14,6 +14,7 @@ import sys
 # name -> (module with add_arguments and run, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "extract": ("nnrun.extract.command", "store module activations of many prompts in shards"),
+    "serve": ("nnrun.serve.command", "serve one engine to nnsight traces and OpenAI clients over HTTP"),
 }
 
 

@@ -1,0 +1,200 @@
+"""`nnrun serve` against the same traces run in-process: throughput and p50/p99 latency.
+
+For each N in --clients (default 1 4 16): N client processes each send --traces small traces
+(one prompt; a layer's last-position output saved) one after another to `nnrun serve MODEL` on
+127.0.0.1; the in-process baseline runs the same traces from N threads on one
+`nnrun.LanguageModel`. With --separate, N processes each loading their own nnsight + HF model
+run the same traces: total resident memory (one copy of the weights vs N) and throughput side by
+side. Clients start timing only once all of them have imported and connected (a start file).
+Prints traces/s, latency percentiles and the ratios; on a shared CPU only the ratios mean much.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = ["The Eiffel Tower is in", "The Colosseum is in", "The Louvre Museum is in", "The Trevi Fountain is in"]
+
+
+def one_trace(model, prompt: str, layer: int):
+    with model.trace(prompt):
+        hidden = model.model.layers[layer].output[:, -1].save()
+    return hidden
+
+
+def rss_mb(pid: int | str = "self") -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+# ---- a client process (--client) --------------------------------------------------------------
+def run_client(args: argparse.Namespace) -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    if args.client == "separate":  # its own nnsight + HF model, as a notebook without a server has
+        import nnsight
+
+        from nnrun.serve.client import _resolve_path
+
+        model = nnsight.LanguageModel(_resolve_path(args.model), dispatch=True)
+    else:
+        import nnrun
+
+        model = nnrun.LanguageModel(args.model, serve=args.client)
+    one_trace(model, PROMPTS[0], 1)  # warm: connection, first forward
+    Path(args.out + ".ready").touch()
+    while not Path(args.start).exists():
+        time.sleep(0.01)
+    latencies, start = [], time.perf_counter()
+    for i in range(args.traces):
+        began = time.perf_counter()
+        one_trace(model, PROMPTS[i % len(PROMPTS)], i % 4)
+        latencies.append(time.perf_counter() - began)
+    Path(args.out).write_text(json.dumps({"latencies": latencies, "start": start, "end": time.perf_counter(),
+                                          "wall_start": time.time() - (time.perf_counter() - start),
+                                          "rss_mb": rss_mb()}))
+
+
+# ---- the driver -------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_processes(target: str, num_clients: int, args: argparse.Namespace, workdir: Path) -> dict:
+    """N client processes against `target` (a server URL, or "separate"); their traces/s, latencies, RSS."""
+    start_file = workdir / f"start-{target.replace('/', '_')}-{num_clients}"
+    outs = [workdir / f"out-{num_clients}-{i}-{abs(hash(target))}.json" for i in range(num_clients)]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.client_threads))
+    procs = [subprocess.Popen([sys.executable, __file__, "--client", target, "--model", args.model,
+                               "--traces", str(args.traces), "--out", str(out), "--start", str(start_file)],
+                              cwd=REPO, env=env) for out in outs]
+    try:
+        deadline = time.monotonic() + args.timeout
+        while not all(Path(str(out) + ".ready").exists() for out in outs):
+            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                raise RuntimeError("client processes did not get ready")
+            time.sleep(0.05)
+        rss = sum(rss_mb(p.pid) for p in procs)
+        began = time.time()
+        start_file.touch()
+        for proc in procs:
+            proc.wait(timeout=args.timeout)
+        results = [json.loads(out.read_text()) for out in outs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    seconds = max(r["wall_start"] + r["end"] - r["start"] for r in results) - began
+    latencies = sorted(x for r in results for x in r["latencies"])
+    return summary(len(latencies), seconds, latencies) | {"rss_mb": rss}
+
+
+def run_in_process(model, num_threads: int, args: argparse.Namespace) -> dict:
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def work() -> None:
+        for i in range(args.traces):
+            began = time.perf_counter()
+            one_trace(model, PROMPTS[i % len(PROMPTS)], i % 4)
+            with lock:
+                latencies.append(time.perf_counter() - began)
+
+    threads = [threading.Thread(target=work) for _ in range(num_threads)]
+    began = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return summary(len(latencies), time.perf_counter() - began, sorted(latencies))
+
+
+def summary(count: int, seconds: float, latencies: list[float]) -> dict:
+    def pct(q: float) -> float:
+        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000
+
+    return {"traces_per_s": count / seconds, "p50_ms": pct(0.5), "p99_ms": pct(0.99),
+            "mean_ms": statistics.mean(latencies) * 1000}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny-facts")
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--traces", type=int, default=50, help="traces per client")
+    parser.add_argument("--separate", action="store_true", help="also N processes with their own nnsight+HF model")
+    parser.add_argument("--client-threads", type=int, default=1, help="torch threads per client process")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--client", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--start", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.client:
+        run_client(args)
+        return
+
+    import warnings
+
+    import httpx
+
+    import nnrun
+
+    warnings.filterwarnings("ignore")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([sys.executable, "-m", "nnrun.cli", "serve", args.model, "--port", str(port),
+                               "--log-level", "warning", "--max-in-flight", str(4 * max(args.clients))], cwd=REPO)
+    local = nnrun.LanguageModel(args.model)
+    try:
+        deadline = time.monotonic() + args.timeout
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("nnrun serve did not start")
+            time.sleep(0.2)
+        run_in_process(local, 1, args)  # warm-up
+        print(f"model {args.model}; {args.traces} traces per client; one prompt each, one layer's last position saved")
+        with tempfile.TemporaryDirectory() as workdir:
+            for num_clients in args.clients:
+                served = run_processes(url, num_clients, args, Path(workdir))
+                served["server_rss_mb"] = rss_mb(server.pid)
+                inproc = run_in_process(local, num_clients, args)
+                ratio = served["traces_per_s"] / inproc["traces_per_s"]
+                print(f"{num_clients:>3} clients | served {served['traces_per_s']:7.1f} traces/s p50 "
+                      f"{served['p50_ms']:6.1f} ms p99 {served['p99_ms']:6.1f} ms | in-process (threads) "
+                      f"{inproc['traces_per_s']:7.1f} traces/s p50 {inproc['p50_ms']:6.1f} ms p99 "
+                      f"{inproc['p99_ms']:6.1f} ms | served/in-process {ratio:.2f}x")
+                if args.separate:
+                    separate = run_processes("separate", num_clients, args, Path(workdir))
+                    print(f"{'':>3}         | memory: server {served['server_rss_mb']:.0f} MB + clients "
+                          f"{served['rss_mb']:.0f} MB = {served['server_rss_mb'] + served['rss_mb']:.0f} MB vs "
+                          f"{num_clients} separate nnsight+HF processes {separate['rss_mb']:.0f} MB; separate "
+                          f"{separate['traces_per_s']:.1f} traces/s p50 {separate['p50_ms']:.1f} ms")
+    finally:
+        local.shutdown()
+        server.terminate()
+        server.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()

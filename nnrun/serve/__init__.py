@@ -1,0 +1,18 @@
+"""`nnrun serve`: one engine shared by many notebooks, scripts and OpenAI clients.
+
+Server side, one job per file:
+  config         ServeConfig: host, key, limits (refuses a non-loopback host without a key)
+  command        the `nnrun serve MODEL ...` subcommand: load the model, run uvicorn
+  app            the FastAPI app and what its routes share (ServeState)
+  limits         API key (401), body size (413), requests in flight (429)
+  engine_model   ServedLanguageModel: nnrun's LanguageModel with deadlines, cancellation, edits
+  payload        a serialized nnsight trace rebuilt over the server's own tree
+  trace_route    /v1/nnsight/generate, /v1/nnsight/register/{id}, /v1/nnsight/clear
+  registration   registered edits: a block run for every request
+  openai_routes  /v1/models, /v1/completions, /v1/chat/completions (SSE streaming)
+  wire           the bytes both sides exchange: headers, results, deferred errors
+Client side:
+  client         RemoteLanguageModel (`nnrun.LanguageModel(name, serve=url)`), its tracer and backend
+
+nnrun's engine modules never import this package; it imports nnsight and FastAPI.
+"""

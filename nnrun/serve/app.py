@@ -1,0 +1,110 @@
+"""The FastAPI app: one engine, the nnsight routes, the OpenAI routes, `/health`.
+
+Routes never run model code on the event loop: a trace runs on a worker thread of
+`ServeState.executor` (it waits there for the engine thread), and the route awaits it while
+watching for the client to disconnect, which aborts the trace (`RequestLimits.cancelled`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, HTTPException, Request
+
+from nnrun.serve.config import ServeConfig
+from nnrun.serve.limits import Guard
+
+logger = logging.getLogger("nnrun.serve")
+DISCONNECT_POLL_S = 0.25
+
+
+def _load_anyio_backend() -> None:
+    """Import anyio's asyncio backend without nnsight's `.save` on every object.
+
+    anyio declares classes (`TypedAttributeSet`) that refuse any unannotated public attribute,
+    `object.save` included, and it imports that backend lazily, on the first request that asks
+    whether its client disconnected: by then nnsight has mounted `.save`, and the import fails.
+    """
+    if "anyio._backends._asyncio" in sys.modules:
+        return
+    if not hasattr(object, "save"):
+        importlib.import_module("anyio._backends._asyncio")
+        return
+    from nnsight import save
+    from nnsight._c import mount, unmount
+
+    unmount("save")
+    try:
+        importlib.import_module("anyio._backends._asyncio")
+    finally:
+        mount(save, "save")
+
+
+_load_anyio_backend()
+
+
+class ServeState:
+    """What every route shares: the config, the model, the worker threads."""
+
+    def __init__(self, config: ServeConfig, model: Any) -> None:
+        self.config = config
+        self.model = model
+        # A request in flight holds at most two workers at once (a completion: submitting, then following its
+        # stream); the Guard's cap keeps them within this pool.
+        self.executor = ThreadPoolExecutor(max_workers=2 * config.max_in_flight, thread_name_prefix="nnrun-serve")
+        self.is_stopping = False
+
+    def ready_model(self) -> Any:
+        """The engine's model, or 503 while the server shuts down."""
+        if self.model is None or self.is_stopping:
+            raise HTTPException(status_code=503, detail="the engine is not serving (starting or shutting down)")
+        return self.model
+
+    async def wait_or_cancel(self, request: Request, work: asyncio.Future, cancelled: Any) -> Any:
+        """Await a worker's result; if the client disconnects first, tell the worker to abort, then wait."""
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return work.result()
+            if await request.is_disconnected():
+                cancelled.set()
+                logger.info("client disconnected; aborting its request")
+                return await work
+
+    def shutdown(self) -> None:
+        self.is_stopping = True
+        self.executor.shutdown(wait=True)
+        if self.model is not None:
+            self.model.shutdown()
+
+
+def create_app(config: ServeConfig, model: Any) -> FastAPI:
+    """The app over a loaded `ServedLanguageModel` (its engine shuts down with the app)."""
+    from nnrun.serve import openai_routes, trace_route
+
+    state = ServeState(config, model)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        # uvicorn has drained the requests in flight by now (SIGTERM's graceful shutdown).
+        await asyncio.get_running_loop().run_in_executor(None, state.shutdown)
+
+    app = FastAPI(title="nnrun serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serve = state
+    app.add_middleware(Guard, api_key=config.api_key, max_in_flight=config.max_in_flight)
+
+    @app.get("/health")
+    async def health() -> dict:
+        model = state.ready_model()
+        return {"status": "ok", "model": config.served_model_name, **model.stats()}
+
+    app.include_router(trace_route.router)
+    app.include_router(openai_routes.router)
+    return app

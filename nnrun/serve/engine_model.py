@@ -1,0 +1,189 @@
+"""The server's model: nnrun's LanguageModel with per-request limits and registered edits.
+
+Traces arrive on worker threads (one per HTTP request in flight). Each worker runs its trace as
+a local nnrun trace would, through `NNrunTracer.execute`, inside `for_request(limits)`, which
+tells this model's `_run_job` how long the trace may take and whether its client went away.
+Either ends the trace the way Ctrl-C ends a local one: its requests are aborted (their KV and
+mediators freed at the next step boundary) and a block still running is interrupted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from interleaver.keywords import _check_kwargs
+from interleaver.model import LanguageModel
+from interleaver.requests import TraceJob
+from interleaver.tracer import NNrunTracer, PendingInvoke
+from nnrun.engine import RequestHandle
+from nnrun.sampling_params import SamplingParams
+from nnrun.serve.registration import Registry, attach_registered, detach_registered
+from nnrun.serve.wire import accepted_kwargs
+
+POLL_S = 0.05  # how often a waiting worker looks at its deadline and its client
+ABORT_GRACE_S = 10.0  # how long an aborted trace may take to be finalized by the engine
+
+
+class ClientGone(ConnectionError):
+    """The client that sent this request disconnected; its requests were aborted."""
+
+
+@dataclass
+class RequestLimits:
+    """What one HTTP request may use, and the flag its route sets when the client goes away.
+
+    `timeout_s` is wall clock from arrival (queueing included); `block_timeout_s` bounds how long
+    one of its blocks may hold the engine thread without parking, which holds every other request
+    too: a loop is ended after that, not after the whole request timeout.
+    """
+
+    timeout_s: float
+    block_timeout_s: float
+    edits: list[str] | None = None  # the named registrations this request runs (None: all)
+    deadline: float = field(init=False)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    registered_saves: dict[str, dict[str, Any]] = field(default_factory=dict)  # request id -> edit -> saves
+    request_ids: list[str] = field(default_factory=list)  # the engine requests of its trace, in prompt order
+
+    def __post_init__(self) -> None:
+        self.deadline = time.monotonic() + self.timeout_s
+
+    def check(self, block_seconds: float) -> None:
+        """Raise if the client went away or a limit passed (`block_seconds`: its block's current run)."""
+        if self.cancelled.is_set():
+            raise ClientGone("the client disconnected; its trace was aborted")
+        if block_seconds > self.block_timeout_s:
+            raise TimeoutError(f"the trace's block ran {block_seconds:.1f} s without reaching the model, over this "
+                               f"server's limit of {self.block_timeout_s:g} s (a loop?); its requests were aborted")
+        if time.monotonic() > self.deadline:
+            raise TimeoutError(f"the trace ran past this server's limit of {self.timeout_s:g} s per request; its "
+                               "requests were aborted")
+
+
+class ServedLanguageModel(LanguageModel):
+    """A LanguageModel serving many clients: limits, cancellation and registered edits per request."""
+
+    def __init__(self, model_or_path: Any, *, max_new_tokens: int, **engine_kwargs: Any) -> None:
+        super().__init__(model_or_path, **engine_kwargs)
+        object.__setattr__(self, "max_new_tokens_limit", max_new_tokens)
+        object.__setattr__(self, "registry", Registry())
+        object.__setattr__(self, "_envoys", {envoy.path: envoy for envoy in self.modules()})
+        self._envoys[self.path] = self
+        object.__setattr__(self, "_limits", threading.local())
+        # What a registered block's `tracer` becomes: `tracer.all()`/`iter` act on the running block.
+        object.__setattr__(self, "edit_tracer", NNrunTracer(self, "generate"))
+
+    def envoy_at(self, path: str) -> Any:
+        """The envoy at an nnsight module path (`model.model.layers.0`), or None."""
+        return self._envoys.get(path)
+
+    def stats(self) -> dict[str, int]:
+        """What the engine holds now (read without stopping it: a snapshot, for monitoring and tests)."""
+        runner = self.engine.runner
+        return {
+            "requests_in_flight": self.engine.num_requests_in_flight,
+            "blocks_live": len(runner.nnsight_requests.live),
+            "kv_pages_used": runner.allocator.num_pages - runner.allocator.num_free_pages,
+            "edits_installed": len(self.registry.active()),
+        }
+
+    def checked_kwargs(self, kind: str, kwargs: dict) -> dict:
+        """A client's trace keywords, refused as a local trace refuses them."""
+        kwargs = {name: value for name, value in kwargs.items() if name != "edits"}
+        _check_kwargs(kind, kwargs, accepted_kwargs(kind))
+        return kwargs
+
+    @contextmanager
+    def for_request(self, limits: RequestLimits) -> Iterator[RequestLimits]:
+        """Run this thread's next traces under `limits`."""
+        self._limits.current = limits
+        try:
+            yield limits
+        finally:
+            self._limits.current = None
+
+    def submit_completion(self, prompt: Any, params: SamplingParams) -> RequestHandle:
+        """Queue a plain completion (an OpenAI route's); registered edits ride it as a generation trace."""
+        if params.max_tokens is None or params.max_tokens > self.max_new_tokens_limit:
+            raise ValueError(f"max_tokens={params.max_tokens} is over this server's limit of "
+                             f"{self.max_new_tokens_limit} new tokens per request")
+        registrations = self.registry.active()
+        # A request carrying blocks is never preempted: a block cannot see its steps twice.
+        req = self.engine.make_request(prompt, params, request_id=f"cmpl-{uuid.uuid4().hex}",
+                                       preemptible=not registrations)
+        if registrations:
+            job = TraceJob("generate", [], pad_token_id=self._pad_token_id())
+            job.requests[req.request_id] = req
+            attach_registered(job, registrations)
+            req.extra_args["nnsight"] = job
+        return self.engine.submit_requests([req], stream=True)[0]
+
+    # ---- what the tracer asks of the model ------------------------------------------------
+    def _sampling_params(self, kind: str, kwargs: dict, prompt_len: int) -> SamplingParams:
+        params = super()._sampling_params(kind, kwargs, prompt_len)
+        if params.max_tokens is not None and params.max_tokens > self.max_new_tokens_limit:
+            raise ValueError(f"max_new_tokens={params.max_tokens} is over this server's limit of "
+                             f"{self.max_new_tokens_limit} new tokens per request")
+        return params
+
+    def _build_job(self, kind: str, invokes: list[PendingInvoke], trace_kwargs: dict, needs_grad: bool) -> TraceJob:
+        job = super()._build_job(kind, invokes, trace_kwargs, needs_grad)
+        limits = getattr(self._limits, "current", None)
+        registrations = self.registry.active(limits.edits if limits is not None else None)
+        if registrations:
+            attach_registered(job, registrations)
+        return job
+
+    def _run_job(self, job: TraceJob) -> None:
+        """Run the trace; end it early if a limit passes or its client goes away."""
+        limits = getattr(self._limits, "current", None)
+        if limits is None:
+            super()._run_job(job)
+            detach_registered(job)
+            return
+        limits.request_ids = list(job.requests)
+        engine = self.engine
+        engine.submit_requests(list(job.requests.values()), gang=True)
+        watch = _BlockWatch(engine.runner.interleaver.running_blocks, [inv.mediator for inv in job.invocations])
+        try:
+            while not job.done.wait(POLL_S):
+                limits.check(watch.seconds_running())
+        except BaseException as error:
+            engine.abort(list(job.requests), error)
+            # A block still running (a loop) holds the engine thread: the abort is only seen after it.
+            engine.runner.interleaver.running_blocks.interrupt(watch.mediators)
+            job.done.wait(ABORT_GRACE_S)
+            raise
+        finally:
+            if job.done.is_set():
+                limits.registered_saves = detach_registered(job)
+
+
+class _BlockWatch:
+    """How long one of a trace's blocks has held the engine thread without parking.
+
+    A block is running if it is the innermost of the engine's running blocks; it has not parked
+    since the last look if its `pending` (replaced at every park) is the same object.
+    """
+
+    def __init__(self, running_blocks: Any, mediators: list[Any]) -> None:
+        self.running_blocks = running_blocks
+        self.mediators = mediators
+        self._seen: tuple[int, int] | None = None  # (mediator id, pending id) at the last look
+        self._since = 0.0
+
+    def seconds_running(self) -> float:
+        stack = list(self.running_blocks._stack)  # a snapshot; the engine thread pushes and pops
+        running = stack[-1] if stack else None
+        if running is None or not any(running is m for m in self.mediators):
+            self._seen = None
+            return 0.0
+        seen = (id(running), id(running.pending))
+        if seen != self._seen:
+            self._seen, self._since = seen, time.monotonic()
+        return time.monotonic() - self._since

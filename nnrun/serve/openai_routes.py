@@ -1,0 +1,193 @@
+"""OpenAI-compatible routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (SSE with `stream`).
+
+Each completion is one engine request on the same engine the traces use, so they batch
+together, and registered edits (a steering vector, say) apply to them too. One choice per
+request (`n=1`); `logprobs` and `echo` are not served. A model without a chat template sees a
+chat's messages as their contents joined by newlines. Tokens stream as they are sampled; a
+client that disconnects aborts its request (its KV pages are freed at the next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, AsyncIterator
+
+from fastapi import APIRouter, HTTPException, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from nnrun.outputs import RequestOutput
+from nnrun.sampling_params import SamplingParams
+from nnrun.serve.app import DISCONNECT_POLL_S
+
+router = APIRouter()
+
+
+class _Sampling(BaseModel):
+    """The sampling fields both routes share (other OpenAI fields are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: Any = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    state = request.app.state.serve
+    return {"object": "list", "data": [{"id": state.config.served_model_name, "object": "model",
+                                        "created": 0, "owned_by": "nnrun"}]}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    return await _complete(request, body, body.prompt, body.max_tokens or 16, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request) -> Any:
+    state = request.app.state.serve
+    model = state.ready_model()
+    prompt = _chat_prompt(model.tokenizer, [m.model_dump() for m in body.messages])
+    max_tokens = body.max_completion_tokens or body.max_tokens or state.config.max_new_tokens
+    return await _complete(request, body, prompt, max_tokens, chat=True)
+
+
+async def _complete(request: Request, body: _Sampling, prompt: Any, max_tokens: int, chat: bool) -> Any:
+    state = request.app.state.serve
+    model = state.ready_model()
+    if body.model not in (state.config.served_model_name, state.config.model):
+        raise HTTPException(status_code=404, detail=f"the model {body.model!r} does not exist; this server serves "
+                                                    f"{state.config.served_model_name!r}")
+    if body.n != 1 or body.logprobs:
+        raise HTTPException(status_code=400, detail="this server returns one choice (n=1) and no logprobs")
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                stop=body.stop, seed=body.seed, presence_penalty=body.presence_penalty,
+                                frequency_penalty=body.frequency_penalty)
+        handle = await asyncio.get_running_loop().run_in_executor(
+            state.executor, model.submit_completion, prompt, params)
+    except ValueError as error:
+        raise HTTPException(status_code=400, detail=str(error)) from None
+    meta = {"id": handle.request_id, "created": int(time.time()), "model": body.model}
+    deadline = time.monotonic() + state.config.request_timeout_s
+    if body.stream:
+        return StreamingResponse(_stream(state, handle, meta, chat, deadline), media_type="text/event-stream")
+    last = None
+    try:
+        async for last in _outputs(state, handle, deadline, request):
+            pass
+    except HTTPException:
+        raise
+    except Exception as error:  # a registered edit that failed on this request
+        raise HTTPException(status_code=500, detail=f"{type(error).__name__}: {error}") from None
+    return _response(meta, last, chat)
+
+
+async def _outputs(state: Any, handle: Any, deadline: float, request: Request | None = None
+                   ) -> AsyncIterator[RequestOutput]:
+    """The request's outputs as they come; aborts it if the client leaves or the deadline passes.
+
+    A worker thread follows the engine's stream (it blocks) and hands each output to this loop.
+    """
+    loop = asyncio.get_running_loop()
+    outputs: asyncio.Queue = asyncio.Queue()
+
+    def follow() -> None:
+        try:
+            for output in handle.stream():
+                loop.call_soon_threadsafe(outputs.put_nowait, output)
+        except BaseException as error:  # the request's own failure (a registered edit raised), or its abort
+            loop.call_soon_threadsafe(outputs.put_nowait, error)
+
+    loop.run_in_executor(state.executor, follow)
+    finished = False
+    try:
+        while not finished:
+            try:
+                item = await asyncio.wait_for(outputs.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if time.monotonic() > deadline:
+                    raise HTTPException(status_code=504, detail="the request ran past this server's time limit")
+                if request is not None and await request.is_disconnected():
+                    return
+                continue
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            yield item
+    finally:
+        if not finished:
+            state.model.engine.abort([handle.request_id])
+
+
+async def _stream(state: Any, handle: Any, meta: dict, chat: bool, deadline: float) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per new piece of text, then the finish reason, then [DONE]."""
+    sent = ""
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    if chat:
+        yield _event(meta, kind, {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None})
+    try:
+        async for output in _outputs(state, handle, deadline):
+            completion = output.outputs[0]
+            text = completion.text
+            delta, sent = (text[len(sent):], text) if text.startswith(sent) else ("", sent)
+            reason = completion.finish_reason if output.finished else None
+            if delta or reason:
+                piece = {"delta": {"content": delta}} if chat else {"text": delta}
+                yield _event(meta, kind, {"index": 0, **piece, "finish_reason": reason})
+    except Exception as error:
+        detail = error.detail if isinstance(error, HTTPException) else f"{type(error).__name__}: {error}"
+        yield f"data: {json.dumps({'error': {'message': detail}})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _event(meta: dict, kind: str, choice: dict) -> str:
+    return f"data: {json.dumps({**meta, 'object': kind, 'choices': [choice]})}\n\n"
+
+
+def _response(meta: dict, output: RequestOutput, chat: bool) -> dict:
+    completion = output.outputs[0]
+    reason = completion.finish_reason
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": completion.text}, "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": completion.text, "finish_reason": reason, "logprobs": None}
+    num_prompt, num_completion = len(output.prompt_token_ids), len(completion.token_ids)
+    return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+            "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                      "total_tokens": num_prompt + num_completion}}
+
+
+def _chat_prompt(tokenizer: Any, messages: list[dict]) -> str:
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "\n".join(message["content"] for message in messages)

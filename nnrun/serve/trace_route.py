@@ -1,0 +1,105 @@
+"""The nnsight routes: run a serialized trace, install and clear registered edits.
+
+`run_trace` is what a worker thread does for `POST /v1/nnsight/generate`: rebuild the trace on
+the server's model (`payload.load_trace`), run it as a local trace runs (`NNrunTracer.execute`,
+inside the trace scope nnsight's `Tracer.__exit__` opens), and collect the names it saved. Every
+failure, from garbage bytes to an exception in the block, comes back in the body as the trace's
+deferred error with status 200, as nnsight's server does: HTTP errors are for the transport
+(auth, limits, a server not ready).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Request, Response
+from nnsight.tracing.tracer import _saves, dec, inc
+
+from nnrun.serve.engine_model import RequestLimits, ServedLanguageModel
+from nnrun.serve.limits import read_body
+from nnrun.serve.payload import PayloadError, ServerTrace, load_trace
+from nnrun.serve.wire import capture_error, encode_result
+
+logger = logging.getLogger("nnrun.serve")
+router = APIRouter()
+
+
+def run_trace(model: ServedLanguageModel, blob: bytes, limits: RequestLimits) -> bytes:
+    """Run one serialized trace to completion on this (worker) thread; the answer's body."""
+    trace: ServerTrace | None = None
+    saves: dict[str, Any] = {}
+    error = None
+    try:
+        trace = load_trace(blob, model)
+        saves = _execute(model, trace, limits)
+    except BaseException as raised:  # the block's own error, a payload that does not load, a timeout
+        if trace is None:
+            error = capture_error(raised)
+        else:
+            error = capture_error(raised, trace.filename, trace.client_filename)
+    try:
+        registered = [limits.registered_saves.get(request_id, {}) for request_id in limits.request_ids]
+        return encode_result(saves, error, registered)
+    finally:
+        if trace is not None:
+            trace.release()  # after the traceback was formatted from the block's source
+
+
+def _execute(model: ServedLanguageModel, trace: ServerTrace, limits: RequestLimits) -> dict[str, Any]:
+    """`tracer.execute` inside a trace scope; returns the names the trace saved, even if it raised."""
+    frame = trace.frame
+    inc()  # what Tracer.__exit__ does around a local trace: `.save()` in the trace body needs it
+    try:
+        with model.for_request(limits):
+            trace.tracer.execute(trace.tracer.info.code)
+    finally:
+        saved = _saves()
+        saves = {name: value for name, value in frame.f_locals.items() if id(value) in saved}
+        dec()  # back at depth 0, this thread's saved set is cleared
+    return saves
+
+
+@router.post("/v1/nnsight/generate")
+async def generate(request: Request) -> Response:
+    """Run a serialized nnsight trace; `torch.save({"saves", "error", "registered"})` back."""
+    state = request.app.state.serve
+    model = state.ready_model()
+    blob = await read_body(request, state.config.max_body_bytes)
+    edits = request.query_params.getlist("edits") or None
+    limits = RequestLimits(state.config.request_timeout_s, state.config.block_timeout_s, edits=edits)
+    work = asyncio.get_running_loop().run_in_executor(state.executor, run_trace, model, blob, limits)
+    body = await state.wait_or_cancel(request, work, limits.cancelled)
+    return Response(content=body, media_type="application/octet-stream")
+
+
+@router.post("/v1/nnsight/register/{registration_id}")
+async def register(registration_id: str, request: Request, name: str | None = None) -> dict:
+    """Install a block (nnsight's serialized edit) that runs for every request from now on."""
+    state = request.app.state.serve
+    model = state.ready_model()
+    payload = await read_body(request, state.config.max_body_bytes)
+    try:
+        await asyncio.get_running_loop().run_in_executor(
+            state.executor, model.registry.register, registration_id, payload, name, model)
+    except PayloadError as error:
+        raise HTTPException(status_code=400, detail=str(error)) from None
+    logger.info("installed edit %s%s", registration_id, f" ({name})" if name else "")
+    return {"status": "ok", "id": registration_id, "name": name}
+
+
+@router.post("/v1/nnsight/register/{registration_id}/clear")
+async def clear_registration(registration_id: str, request: Request) -> dict:
+    """Stop running one installed block (clearing an unknown id is a no-op)."""
+    state = request.app.state.serve
+    state.ready_model().registry.clear(registration_id)
+    return {"status": "ok", "id": registration_id}
+
+
+@router.post("/v1/nnsight/clear")
+async def clear_all(request: Request) -> dict:
+    """Stop running every installed block."""
+    state = request.app.state.serve
+    cleared = state.ready_model().registry.clear()
+    return {"status": "ok", "cleared": cleared}

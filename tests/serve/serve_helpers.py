@@ -1,0 +1,116 @@
+"""Processes for the serve tests: `nnrun serve tiny-facts` on 127.0.0.1, and client processes.
+
+Every wait is bounded; whoever starts a process kills it (see the fixtures in conftest.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).parent
+REPO = HERE.parent.parent
+START_TIMEOUT_S = 90.0
+CLIENT_TIMEOUT_S = 120.0
+API_KEY = "test-key-7f3a"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(HERE), env.get("PYTHONPATH", "")])
+    return env
+
+
+class ServerProcess:
+    """`nnrun serve` in a subprocess; `stop()` ends it (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, *args: str, port: int | None = None, api_key: str | None = API_KEY) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        command = [sys.executable, "-m", "nnrun.cli", "serve", "tiny-facts", "--port", str(self.port),
+                   "--log-level", "warning", *args]
+        if api_key is not None:
+            command += ["--api-key", api_key]
+        self.process = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+
+    def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "ServerProcess":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"nnrun serve exited with {self.process.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"nnrun serve did not answer /health within {timeout} s:\n{self.output()}")
+
+    def is_healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=5.0).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def output(self) -> str:
+        if self.process.poll() is None:
+            return "(still running)"
+        return self.process.stdout.read() if self.process.stdout else ""
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.process.returncode
+
+
+class Client:
+    """A client process running workloads (tests/serve/workloads.py) against a server."""
+
+    def __init__(self, url: str, workloads: list[str], out: Path, api_key: str | None = API_KEY) -> None:
+        self.out = out
+        spec = {"url": url, "api_key": api_key, "workloads": workloads, "out": str(out)}
+        self.process = subprocess.Popen([sys.executable, str(HERE / "run_client.py"), json.dumps(spec)], cwd=REPO,
+                                        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def result(self, timeout: float = CLIENT_TIMEOUT_S) -> dict:
+        import torch
+
+        try:
+            output, _ = self.process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            output, _ = self.process.communicate(timeout=30)
+            raise AssertionError(f"client did not finish within {timeout} s:\n{output}")
+        assert self.process.returncode == 0, f"client failed ({self.process.returncode}):\n{output}"
+        return torch.load(self.out, weights_only=False)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate(timeout=30)
