@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conformance.compare import assert_same
-from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer, twin
+from conformance.models import oracle_and_nnrun, tiny_llama, tiny_tokenizer, twin
 from conformance.scenarios import Padded
 
 P = "the cat sat on the mat"
@@ -40,12 +40,7 @@ class Adapter(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def pair():
-    import nnrun
-
-    tokenizer = tiny_tokenizer()
-    model = tiny_llama(seed=5)
-    oracle = hf_language_model(twin(model), tokenizer)
-    ours = nnrun.LanguageModel(model, tokenizer=tokenizer)
+    oracle, ours = oracle_and_nnrun(tiny_llama(seed=5), tiny_tokenizer())
     yield oracle, ours
     ours.shutdown()
 

@@ -13,7 +13,7 @@ from transformers import TextIteratorStreamer, TextStreamer
 from transformers.generation.streamers import BaseStreamer
 
 from conformance.compare import assert_same
-from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer, twin
+from conformance.models import oracle_and_nnrun, tiny_llama, tiny_tokenizer
 
 P = "the eiffel tower is in the city of"  # 8 tokens
 Q = "hello world"  # 2 tokens: padded to P's length in a batch with it
@@ -23,12 +23,7 @@ WAIT_S = 30.0  # bound on every wait below; the waits end in milliseconds when n
 
 @pytest.fixture(scope="module")
 def models():
-    import nnrun
-
-    tokenizer = tiny_tokenizer()
-    model = tiny_llama(seed=7)
-    oracle = hf_language_model(twin(model), tokenizer)
-    ours = nnrun.LanguageModel(model, tokenizer=tokenizer)
+    oracle, ours = oracle_and_nnrun(tiny_llama(seed=7), tiny_tokenizer())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield oracle, ours

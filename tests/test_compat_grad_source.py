@@ -14,22 +14,16 @@ import pytest
 import torch
 
 from conformance.compare import assert_same
-from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer, twin
+from conformance.models import oracle_and_nnrun, tiny_llama, tiny_tokenizer
 
 P = "the cat sat on the mat"
 Q = "one two"
 ROTARY = "apply_rotary_pos_emb_0"
 
 
-def _pair(model, tokenizer):
-    import nnrun
-
-    return hf_language_model(twin(model), tokenizer), nnrun.LanguageModel(model, tokenizer=tokenizer)
-
-
 @pytest.fixture(scope="module")
 def pair():
-    oracle, ours = _pair(tiny_llama(seed=11), tiny_tokenizer())
+    oracle, ours = oracle_and_nnrun(tiny_llama(seed=11), tiny_tokenizer())
     yield oracle, ours
     ours.shutdown()
 
@@ -41,7 +35,7 @@ def gpt2_pair():
     from nnrun.assets import bundled_model_path
 
     path = bundled_model_path("tiny-facts-gpt2")
-    oracle, ours = _pair(AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path))
+    oracle, ours = oracle_and_nnrun(AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path))
     yield oracle, ours
     ours.shutdown()
 

@@ -8,19 +8,14 @@ import pytest
 import torch
 
 from conformance.compare import assert_same
-from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer, twin
+from conformance.models import oracle_and_nnrun, tiny_llama, tiny_tokenizer
 
 PROMPT = "the eiffel tower is in the city of"
 
 
 @pytest.fixture(scope="module")
 def models():
-    import nnrun
-
-    tokenizer = tiny_tokenizer()
-    model = tiny_llama(seed=7)
-    oracle = hf_language_model(twin(model), tokenizer)
-    ours = nnrun.LanguageModel(model, tokenizer=tokenizer)
+    oracle, ours = oracle_and_nnrun(tiny_llama(seed=7), tiny_tokenizer())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield oracle, ours

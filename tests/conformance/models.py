@@ -45,6 +45,13 @@ def twin(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
 
 
+def oracle_and_nnrun(model: torch.nn.Module, tokenizer) -> tuple:
+    """nnsight on a twin of `model` (the oracle) and nnrun's LanguageModel on `model` itself."""
+    import nnrun
+
+    return hf_language_model(twin(model), tokenizer), nnrun.LanguageModel(model, tokenizer=tokenizer)
+
+
 def hf_language_model(model: torch.nn.Module, tokenizer) -> "object":
     """nnsight's own LanguageModel over the plain HF model: the oracle."""
     import nnsight

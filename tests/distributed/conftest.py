@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ray_helpers import MODEL, MODULES, NUM_THREADS, JOB, BAD_LINES, folder_hashes, job_prompts  # noqa: F401
+from ray_helpers import BAD_LINES, JOB, MODEL, MODULES, NUM_THREADS, folder_hashes, job_prompts
 
 
 @pytest.fixture(scope="session")
