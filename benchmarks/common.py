@@ -95,3 +95,19 @@ def decode_step_bytes(config: LlamaConfig, itemsize: int, batch: int, context_le
     weights = non_embedding_params(config) + config.vocab_size * config.hidden_size
     kv = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * context_len * batch
     return (weights + kv) * itemsize
+
+
+def interleaved_times(baseline, ours, reps: int) -> tuple[float, float]:
+    """Median seconds of `baseline()` and `ours()` over `reps` rounds, alternating which runs first.
+
+    Interleaving in one process is what makes a ratio meaningful on a shared, noisy CPU: both
+    sides see the same background load, where separate runs would not.
+    """
+    base_times, our_times = [], []
+    for rep in range(reps):
+        pair = [(baseline, base_times), (ours, our_times)]
+        for fn, times in pair if rep % 2 == 0 else pair[::-1]:
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return sorted(base_times)[reps // 2], sorted(our_times)[reps // 2]

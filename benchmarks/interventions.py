@@ -7,7 +7,14 @@ which nnsight on HF cannot serve together):
    (layer, position), reading the answer logit difference; one trace per patch;
 2. 64 traces, each saving one layer's output of its own prompt.
 
+Then the targets of issue 15, each timed interleaved with its baseline (median of --reps rounds):
+a patching sweep of 16 equal-length patched invokes in one trace; 16 and 64 equal-length invokes
+each saving a layer; greedy generation of 16 prompts x 32 new tokens against HF `generate` on the
+small Llama and on a GPT-2-small shape (plain, and steered every step against nnsight+HF); steered
+generation of 16 mixed-length prompts (`tracer.all()` adding a vector); single traces at 8/64/512.
+
 Usage: python benchmarks/interventions.py [--layers 4] [--hidden 256] [--threads 8] [--device cpu]
+       [--only targets|classic] [--reps 5] [--skip-gpt2]
 """
 
 from __future__ import annotations
@@ -19,7 +26,9 @@ import time
 import warnings
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from common import interleaved_times, left_padded
 
 WORDS = ["the", "tower", "is", "in", "city", "of", "paris", "rome", "a", "big", "old", "river"]
 
@@ -28,7 +37,7 @@ def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 4,
                          num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-                         num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=512,
+                         num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=1024,
                          pad_token_id=0, bos_token_id=None, eos_token_id=None)
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = None
@@ -92,6 +101,124 @@ def save_one(model, text: str, layer: int) -> torch.Tensor:
     return hidden
 
 
+def save_in_invokes(model, prompts: list[str], num_layers: int) -> list[torch.Tensor]:
+    """One trace, one invoke per prompt, each saving one layer's output."""
+    with torch.no_grad():
+        with model.trace() as tracer:
+            saved = list().save()
+            for i, text in enumerate(prompts):
+                with tracer.invoke(text):
+                    saved.append(model.model.layers[i % num_layers].output.save())
+    return list(saved)
+
+
+def single_trace(model, text: str, layer: int) -> list[torch.Tensor]:
+    with torch.no_grad():
+        with model.trace(text):
+            hidden = model.model.layers[layer].output.save()
+            logits = model.lm_head.output[0, -1].save()
+    return [hidden, logits]
+
+
+def steered_generate(model, prompts: list[str], layer: int, vector: torch.Tensor, max_new_tokens: int) -> None:
+    """Generation with `vector` added to one layer's output at every step of every prompt (nnsight's all())."""
+    with torch.no_grad():
+        with model.generate(prompts, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens) as tracer:
+            for _ in tracer.all():
+                model.model.layers[layer].output[:] += vector
+
+
+def steered_generate_invokes(model, prompts: list[str], layer: int, vector: torch.Tensor, max_new_tokens: int) -> None:
+    """As `steered_generate`, with one invoke per prompt, each steering its own prompt."""
+    with torch.no_grad():
+        with model.generate(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens) as tracer:
+            for text in prompts:
+                with tracer.invoke(text):
+                    for _ in tracer.all():
+                        model.model.layers[layer].output[:] += vector
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> None:
+    """HF `generate`: one left-padded batch of every prompt, greedy, exactly `max_new_tokens` each."""
+    ids, mask = left_padded(prompts)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                       do_sample=False, pad_token_id=0)
+
+
+def engine_greedy(llm, prompts: list[list[int]], max_new_tokens: int) -> None:
+    import nnrun
+
+    llm.generate(prompts, nnrun.SamplingParams(max_tokens=max_new_tokens, temperature=0, ignore_eos=True))
+
+
+def gpt2_small() -> GPT2LMHeadModel:
+    """GPT-2 small's shape (124M: 12 layers, hidden 768, 12 heads, vocab 50257), random weights."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config()).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def target_workloads(args, oracle, hf_model, ours, tokenizer) -> dict[str, tuple]:
+    """Issue 15's targets: name -> (baseline thunk, nnrun thunk, baseline name)."""
+    layers, gen_len = args.layers, args.gen_tokens
+    clean, corrupt = prompt(1, 16), prompt(2, 16)
+    equal = [prompt(200 + i, 16) for i in range(64)]
+    mixed = [prompt(300 + i, 8 + (i * 7) % 25) for i in range(16)]
+    mixed_ids = [tokenizer(text)["input_ids"] for text in mixed]
+    vector = torch.linspace(-0.5, 0.5, args.hidden)
+    patch_positions = 16 // layers
+    both = lambda fn, *a: (lambda: fn(oracle, *a), lambda: fn(ours, *a), "nnsight+HF")  # noqa: E731
+    workloads = {
+        f"patching sweep: 1 clean + {layers * patch_positions} patched invokes, one trace": both(
+            patch_all_in_one_trace, clean, corrupt, layers, patch_positions),
+        "16 equal-length invokes saving a layer, one trace": both(save_in_invokes, equal[:16], layers),
+        "64 equal-length invokes saving a layer, one trace": both(save_in_invokes, equal, layers),
+        f"greedy generation 16 prompts x {gen_len}, small Llama": (
+            lambda: hf_greedy(hf_model, mixed_ids, gen_len), lambda: engine_greedy(ours.engine, mixed_ids, gen_len),
+            "HF generate"),
+        f"steered generation 16 mixed-length invokes x {gen_len} (all())": both(
+            steered_generate_invokes, mixed, 1, vector, gen_len),
+        f"steered generation 16 mixed-length prompts x {gen_len}, one invoke": both(
+            steered_generate, mixed, 1, vector, gen_len),
+    }
+    for length in (8, 64, 512):
+        workloads[f"single trace, {length} tokens"] = both(single_trace, prompt(400 + length, length), 1)
+    return workloads
+
+
+def gpt2_workload(args) -> tuple:
+    """Greedy generation on a GPT-2-small shape: HF generate vs the engine, the same weights."""
+    import nnrun
+
+    hf = gpt2_small()
+    llm = nnrun.LLM(copy.deepcopy(hf))
+    prompts = [[(17 * i + 31 * j) % 50000 + 1 for j in range(8 + (i * 7) % 25)] for i in range(16)]
+    name = f"greedy generation 16 prompts x {args.gen_tokens}, GPT-2-small shape"
+    return name, (lambda: hf_greedy(hf, prompts, args.gen_tokens), lambda: engine_greedy(llm, prompts, args.gen_tokens),
+                  "HF generate"), llm
+
+
+def run_targets(args, oracle, hf_model, ours, tokenizer) -> None:
+    workloads = target_workloads(args, oracle, hf_model, ours, tokenizer)
+    cleanup = None
+    if not args.skip_gpt2:
+        name, entry, cleanup = gpt2_workload(args)
+        workloads[name] = entry
+    print(f"\nissue 15 targets, median of {args.reps} interleaved rounds "
+          f"(speedup = baseline s / nnrun s; >= 1.0 means nnrun is faster)")
+    print(f"{'workload':64s} {'baseline':>11s} {'base s':>8s} {'nnrun s':>8s} {'speedup':>8s}")
+    for name, (baseline, theirs_or_ours, baseline_name) in workloads.items():
+        baseline()  # warm up both
+        theirs_or_ours()
+        base_time, our_time = interleaved_times(baseline, theirs_or_ours, args.reps)
+        print(f"{name:64s} {baseline_name:>11s} {base_time:8.3f} {our_time:8.3f} {base_time / our_time:8.2f}",
+              flush=True)
+    if cleanup is not None:
+        cleanup.shutdown()
+
+
 def sweep_tasks(args, tokenizer) -> list[tuple]:
     clean, corrupt = prompt(1, args.prompt_len), prompt(2, args.prompt_len)
     return [(clean, corrupt, layer, position) for layer in range(args.layers) for position in range(args.prompt_len)]
@@ -144,7 +271,13 @@ def main() -> None:
     parser.add_argument("--num-traces", type=int, default=64)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--only", choices=["targets", "classic"], default=None)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--gen-tokens", type=int, default=32)
+    parser.add_argument("--skip-gpt2", action="store_true")
+    parser.add_argument("--torch-threads", type=int, default=1)
     args = parser.parse_args()
+    torch.set_num_threads(args.torch_threads)
     warnings.simplefilter("ignore")
 
     import nnsight
@@ -153,9 +286,15 @@ def main() -> None:
 
     tokenizer = build_tokenizer(args.vocab)
     model = build_model(args)
-    oracle = nnsight.LanguageModel(copy.deepcopy(model).to(args.device), tokenizer=tokenizer)
+    hf_model = copy.deepcopy(model).to(args.device)
+    oracle = nnsight.LanguageModel(hf_model, tokenizer=tokenizer)
     ours = nnrun.LanguageModel(model, tokenizer=tokenizer, device=args.device)
 
+    if args.only != "classic":
+        run_targets(args, oracle, hf_model, ours, tokenizer)
+    if args.only == "targets":
+        ours.shutdown()
+        return
     workloads = {
         f"patching sweep ({args.layers} layers x {args.prompt_len} positions)": (
             patch_one, sweep_tasks(args, tokenizer)),

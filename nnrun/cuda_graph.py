@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 
-from nnrun.attention import AttentionBackend, forward_context
+from nnrun.attention import AttentionBackend, forward_context, hf_masks_skipped
 from nnrun.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class DecodeGraphRunner:
         """One decode forward over the static buffers' first `batch_size` rows (all padding at capture)."""
 
         def forward() -> torch.Tensor:
-            with forward_context(self.backend), torch.no_grad():
+            with forward_context(self.backend), hf_masks_skipped(), torch.no_grad():
                 output = self.runner.model(
                     input_ids=self.input_ids[:batch_size][None],
                     position_ids=self.positions[:batch_size][None],

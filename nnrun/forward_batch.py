@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
@@ -32,10 +34,13 @@ class ForwardBatch:
     extend_seq_lens: list[int]  # new tokens per request
     extend_start_loc: list[int]  # first flat index of each request's tokens
     prefix_lens: list[int]  # cached tokens per request before this step
-    kv_slots: list[torch.Tensor]  # per request [seq_len] int64 slots of its whole KV after this step
+    kv_slots: Sequence[torch.Tensor]  # per request [seq_len] int64 slots of its whole KV after this step
     logits_indices: torch.Tensor  # [R] int64 flat positions whose logits are computed
     next_token_logits_rows: list[int]  # per request, its row in the logits output (None-free: every request samples)
     prompt_logits_rows: list[tuple[int, int] | None] = field(default_factory=list)  # per request [start, end) rows
+    # [B, max_seq_len] int64: row b's first seq_lens[b] entries are kv_slots[b]; the rest is stale (any slot).
+    # Set for decode steps, so a backend can read the whole page table in one tensor instead of B of them.
+    kv_slot_table: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -53,3 +58,101 @@ class ForwardBatch:
     @property
     def seq_lens(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_seq_lens)]
+
+
+class TableRows(Sequence[torch.Tensor]):
+    """Row b of a `[B, L]` table cut at `lengths[b] + 1`, made only when asked for (most steps never ask)."""
+
+    def __init__(self, table: torch.Tensor, last_indices: list[int]) -> None:
+        self.table = table
+        self.last_indices = last_indices
+
+    def __len__(self) -> int:
+        return len(self.last_indices)
+
+    def __getitem__(self, row: int) -> torch.Tensor:
+        return self.table[row, : self.last_indices[row] + 1]
+
+
+def decode_forward_batch(reqs: list[Request], req_to_token: torch.Tensor, page_size: int) -> ForwardBatch:
+    """A DECODE step: each request brings one token after its cached prefix.
+
+    Built from plain ints and one read of the request table (`req_to_token`, updated in place with
+    the new tokens' slots), not from per-request tensors: its cost is the engine's fixed cost per step.
+    """
+    positions = [req.num_tokens - 1 for req in reqs]
+    slots = [req.page_ids[pos // page_size] * page_size + pos % page_size for req, pos in zip(reqs, positions)]
+    rows = torch.tensor([req.req_pool_idx for req in reqs], dtype=torch.int64)  # [B]
+    position_tensor = torch.tensor(positions, dtype=torch.int64)  # [B]
+    slot_tensor = torch.tensor(slots, dtype=torch.int64)  # [B]
+    req_to_token[rows, position_tensor] = slot_tensor
+    kv_slot_table = req_to_token[rows, : max(positions) + 1]  # [B, max_seq_len] (a copy: later steps cannot change it)
+    num_reqs = len(reqs)
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        reqs=reqs,
+        input_ids=torch.tensor([(req.output_token_ids or req.prompt_token_ids)[-1] for req in reqs], dtype=torch.int64),
+        positions=position_tensor,
+        out_cache_loc=slot_tensor,
+        extend_seq_lens=[1] * num_reqs,
+        extend_start_loc=list(range(num_reqs)),
+        prefix_lens=positions,
+        kv_slots=TableRows(kv_slot_table, positions),
+        logits_indices=torch.arange(num_reqs, dtype=torch.int64),
+        next_token_logits_rows=list(range(num_reqs)),
+        prompt_logits_rows=[None] * num_reqs,
+        kv_slot_table=kv_slot_table,
+    )
+
+
+def is_decode_step(reqs: list[Request]) -> bool:
+    """Every request brings exactly one new token after a cached prefix."""
+    return all(0 < req.num_computed_tokens == req.num_tokens - 1 for req in reqs)
+
+
+def packed_forward_batch(reqs: list[Request], mode: ForwardMode, req_to_token: torch.Tensor, page_size: int,
+                         wants_prompt_logits: list[bool]) -> ForwardBatch:
+    """Every uncached token of each request, flattened (the scheduler has allocated the pages).
+
+    Slots and positions of all tokens come from a few whole-batch tensor ops, whatever the number
+    of requests; the request table (`req_to_token`) records the new tokens' slots in place.
+    """
+    prefix_lens = [req.num_computed_tokens for req in reqs]
+    seq_lens = [req.num_tokens for req in reqs]
+    q_lens = [seq - prefix for seq, prefix in zip(seq_lens, prefix_lens)]
+    starts = list(itertools.accumulate(q_lens, initial=0))
+    num_tokens = starts.pop()
+    token_to_req = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(q_lens, dtype=torch.int64))  # [N]
+    offsets = torch.tensor([prefix - start for prefix, start in zip(prefix_lens, starts)], dtype=torch.int64)  # [B]
+    positions = torch.arange(num_tokens) + offsets[token_to_req]  # [N]
+    max_pages = max((len(req.page_ids) for req in reqs), default=0)
+    page_table = torch.tensor([req.page_ids + [0] * (max_pages - len(req.page_ids)) for req in reqs],
+                              dtype=torch.int64).view(len(reqs), max_pages)  # [B, max_pages]
+    out_cache_loc = page_table[token_to_req, positions // page_size] * page_size + positions % page_size  # [N]
+    rows = torch.tensor([req.req_pool_idx for req in reqs], dtype=torch.int64)  # [B]
+    req_to_token[rows[token_to_req], positions] = out_cache_loc
+    kv_slot_table = req_to_token[rows, : max(seq_lens, default=0)]  # [B, max_seq_len] (a copy)
+    input_ids, logits_indices, next_rows, prompt_rows = [], [], [], []
+    for req, prefix, start, q_len, wants in zip(reqs, prefix_lens, starts, q_lens, wants_prompt_logits):
+        input_ids.extend(req.all_token_ids[prefix:])
+        if wants:  # every prompt position's logits (prompt logprobs), then the next token's
+            prompt_rows.append((len(logits_indices), len(logits_indices) + q_len - 1))
+            logits_indices.extend(range(start, start + q_len))
+        else:
+            prompt_rows.append(None)
+            logits_indices.append(start + q_len - 1)
+        next_rows.append(len(logits_indices) - 1)
+    return ForwardBatch(
+        forward_mode=mode,
+        reqs=reqs,
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=positions,
+        out_cache_loc=out_cache_loc,
+        extend_seq_lens=q_lens,
+        extend_start_loc=starts,
+        prefix_lens=prefix_lens,
+        kv_slots=TableRows(kv_slot_table, [seq - 1 for seq in seq_lens]),
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        next_token_logits_rows=next_rows,
+        prompt_logits_rows=prompt_rows,
+    )

@@ -11,12 +11,14 @@ from typing import Iterator
 import torch
 from torch.nn.modules import module as nn_module
 
-from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBackend, forward_context
+from nnrun.attention import (ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBackend, forward_context,
+                             hf_masks_skipped)
 from nnrun.attention.probabilities import AttentionProbsPlan
 from nnrun.attention.selection import create_attention_backend
 from nnrun.config import EngineConfig
 from nnrun.cuda_graph import CudaGraphCapturer, DecodeGraphRunner, GraphCapturer, default_batch_sizes
-from nnrun.forward_batch import ForwardBatch, ForwardMode
+from nnrun.forward_batch import (ForwardBatch, ForwardMode, decode_forward_batch, is_decode_step,
+                                 packed_forward_batch)
 from nnrun.kv_sizing import GiB, kv_budget_bytes, profile_prompt_lengths
 from nnrun.loader import load_model, max_context_len
 from nnrun.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator, hold_kv, release_kv
@@ -214,50 +216,14 @@ class ModelRunner:
         return self._prepare_forward_batch(reqs, ForwardMode.EXTEND)
 
     def prepare_forward_batch_decode(self, reqs: list[Request]) -> ForwardBatch:
-        return self._prepare_forward_batch(reqs, ForwardMode.DECODE)
+        if reqs and is_decode_step(reqs):
+            return decode_forward_batch(reqs, self.req_to_token_pool.req_to_token, self.allocator.page_size)
+        return self._prepare_forward_batch(reqs, ForwardMode.DECODE)  # mislabelled: the backend's planner refuses it
 
     def _prepare_forward_batch(self, reqs: list[Request], mode: ForwardMode) -> ForwardBatch:
         """Every uncached token of each request (no chunking); the scheduler has allocated the pages."""
-        page_size = self.allocator.page_size
-        input_ids, positions, out_cache_loc, kv_slots = [], [], [], []
-        extend_lens, starts, prefix_lens = [], [], []
-        logits_indices, next_rows, prompt_rows = [], [], []
-        num_tokens = 0
-        for req in reqs:
-            prefix, seq_len = req.num_computed_tokens, req.num_tokens
-            position = torch.arange(prefix, seq_len)  # [q_len]
-            pages = torch.tensor(req.page_ids, dtype=torch.int64)
-            slots = pages[position // page_size] * page_size + position % page_size  # [q_len]
-            self.req_to_token_pool.write(req.req_pool_idx, prefix, slots)
-            input_ids.extend(req.all_token_ids[prefix:seq_len])
-            positions.append(position)
-            out_cache_loc.append(slots)
-            kv_slots.append(self.req_to_token_pool.slots(req.req_pool_idx, seq_len).clone())
-            extend_lens.append(seq_len - prefix)
-            starts.append(num_tokens)
-            prefix_lens.append(prefix)
-            if self._wants_prompt_logits(req):
-                prompt_rows.append((len(logits_indices), len(logits_indices) + seq_len - 1))
-                logits_indices.extend(range(num_tokens, num_tokens + seq_len))
-            else:
-                prompt_rows.append(None)
-                logits_indices.append(num_tokens + seq_len - prefix - 1)
-            next_rows.append(len(logits_indices) - 1)
-            num_tokens += seq_len - prefix
-        return ForwardBatch(
-            forward_mode=mode,
-            reqs=reqs,
-            input_ids=torch.tensor(input_ids, dtype=torch.int64),
-            positions=torch.cat(positions) if positions else torch.zeros(0, dtype=torch.int64),
-            out_cache_loc=torch.cat(out_cache_loc) if out_cache_loc else torch.zeros(0, dtype=torch.int64),
-            extend_seq_lens=extend_lens,
-            extend_start_loc=starts,
-            prefix_lens=prefix_lens,
-            kv_slots=kv_slots,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
-            next_token_logits_rows=next_rows,
-            prompt_logits_rows=prompt_rows,
-        )
+        return packed_forward_batch(reqs, mode, self.req_to_token_pool.req_to_token, self.allocator.page_size,
+                                    [self._wants_prompt_logits(req) for req in reqs])
 
     @staticmethod
     def _wants_prompt_logits(req: Request) -> bool:
@@ -276,7 +242,7 @@ class ModelRunner:
         backend = self.attention_backend_for(forward_batch)
         backend.init_forward_metadata(forward_batch)
         probs_plan = AttentionProbsPlan.for_batch(forward_batch, self.device)  # None unless a request asked
-        with forward_context(backend, probs_plan), self.grad_context(forward_batch):
+        with forward_context(backend, probs_plan), hf_masks_skipped(), self.grad_context(forward_batch):
             output = self.model(
                 input_ids=forward_batch.input_ids.to(self.device)[None],
                 position_ids=forward_batch.positions.to(self.device)[None],

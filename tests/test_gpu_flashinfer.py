@@ -89,9 +89,9 @@ def assert_matches_oracle(twin, prompts, outputs, tol: float) -> None:
         completion = output.outputs[0]
         assert completion.finish_reason == "length", completion
         expected = oracle_log_probs(twin, prompt + completion.token_ids)  # [T, V]
-        if output.prompt_logprobs is not None:
+        if output.prompt_logprobs is not None and len(prompt) > 1:  # a one-token prompt has none to check
             got = torch.tensor([entry[token] for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])])
-            want = expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+            want = expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:], dtype=torch.long)]
             assert (got - want).abs().max() < tol
         for i, token in enumerate(completion.token_ids):
             row = expected[len(prompt) - 1 + i]

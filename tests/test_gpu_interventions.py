@@ -78,8 +78,8 @@ def _patching(model):
         with tracer.invoke(PROMPT_A):
             hidden = model.model.layers[0].output
             hidden[:, 2] = source
+            layer = model.model.layers[1].output[0].save()  # modules in the order they run
             patched = model.lm_head.output[0, -1].save()
-            layer = model.model.layers[1].output[0].save()
     return patched, layer
 
 

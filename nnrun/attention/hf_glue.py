@@ -8,6 +8,9 @@ as a plain HF model with sdpa attention, so users can still call it directly.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -56,6 +59,27 @@ def paged_attention_mask(*args, **kwargs) -> torch.Tensor | None:
     if current_backend() is not None:
         return None
     return sdpa_mask(*args, **kwargs)
+
+
+@contextmanager
+def hf_masks_skipped() -> Iterator[None]:
+    """Within an engine step, HF prepares no attention mask at all.
+
+    The mask builder above is registered so that the model, called plainly, masks like sdpa. But
+    a registered name makes every mask factory (`create_causal_mask`, the sliding one) run its
+    preprocessing first, `find_packed_sequence_indices` included (a `.all()` that syncs a GPU),
+    before reaching a builder that returns None. HF's own early exit for implementations that
+    build no mask skips all of it: while a step runs, the name is taken out of the mask registry.
+    Re-entrant; the engine runs one step at a time (a plain call from another thread during a step
+    already lands in the engine's attention, by the one forward context).
+    """
+    registry = AttentionMaskInterface._global_mapping
+    builder = registry.pop(ATTN_IMPLEMENTATION, None)
+    try:
+        yield
+    finally:
+        if builder is not None:
+            registry[ATTN_IMPLEMENTATION] = builder
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -12,15 +12,27 @@ from nnrun.memory import KVPool
 
 logger = logging.getLogger(__name__)
 
+# FlashInfer's paged prefill/decode kernels are instantiated for these head dims only; any other
+# (48, say) compiles but fails at run time with "Invalid configuration" (seen on an H100).
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
 
 def create_attention_backend(name: str, kv_pool: KVPool, device: torch.device, layers: list) -> AttentionBackend:
     """`name` is "auto", "torch" or "flashinfer".
 
-    "auto" takes FlashInfer on CUDA when it is installed and the cache is fp16/bf16 (its kernels
-    exist only for those); everything else runs on the torch backend.
+    "auto" takes FlashInfer on CUDA when it is installed, the cache is fp16/bf16 and every layer's
+    head dim is one its kernels exist for; everything else runs on the torch backend.
     """
     half = kv_pool.k_pages and kv_pool.k_pages[0].dtype in (torch.float16, torch.bfloat16)
-    if name == "flashinfer" or (name == "auto" and device.type == "cuda" and half and _flashinfer_available()):
+    # Only the real kernels have the restriction (on CPU the backend runs under the tests' emulator).
+    odd_head_dims = sorted(_head_dims(layers) - set(FLASHINFER_HEAD_DIMS)) if device.type == "cuda" else []
+    if name == "auto" and device.type == "cuda" and half and odd_head_dims and _flashinfer_available():
+        logger.info("head dims %s have no FlashInfer kernel: using the torch attention backend", odd_head_dims)
+    wants_flashinfer = name == "auto" and device.type == "cuda" and half and not odd_head_dims
+    if name == "flashinfer" or (wants_flashinfer and _flashinfer_available()):
+        if odd_head_dims:
+            raise ValueError(f"DeviceConfig.attention_backend='flashinfer' runs head dims {FLASHINFER_HEAD_DIMS}, "
+                             f"this model has {odd_head_dims}; use attention_backend='torch'")
         if device.type != "cuda":
             raise ValueError(f"DeviceConfig.attention_backend='flashinfer' needs a CUDA device, got {device}")
         if not _flashinfer_available():
@@ -30,6 +42,10 @@ def create_attention_backend(name: str, kv_pool: KVPool, device: torch.device, l
 
         return FlashInferAttnBackend(kv_pool, device, layers)
     return TorchAttnBackend(kv_pool, device)
+
+
+def _head_dims(layers: list) -> set[int]:
+    return {dim for layer in layers for dim in (layer.kv_shape.head_dim, layer.kv_shape.v_head_dim)}
 
 
 def _flashinfer_available() -> bool:

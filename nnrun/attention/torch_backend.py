@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +18,15 @@ class _ExtendGroup:
     prefix_len: int
     q_len: int
     q_starts: list[int]  # where each request's new tokens start in the flat batch
-    token_indices: torch.Tensor | None  # [G * q_len] int64 the group's new tokens (None: one request, sliced)
+    # [G * q_len] int64 the group's new tokens; None when they are adjacent in the flat batch (one
+    # request, or equal prompts traced together), which is then sliced and viewed, never gathered.
+    token_indices: torch.Tensor | None
     kv_slots: torch.Tensor | None  # [G, prefix_len + q_len] int64; None when the KV is all this step's
+
+    @property
+    def token_span(self) -> slice:
+        """The group's tokens when they are adjacent: request i at `start + i * q_len`."""
+        return slice(self.q_starts[0], self.q_starts[0] + self.size * self.q_len)
 
     @property
     def size(self) -> int:
@@ -33,6 +40,9 @@ class _TorchMetadata:
     extend_groups: list[_ExtendGroup]
     decode_slots: torch.Tensor | None  # [B, max_seq_len] int64 (padding points at the pool's zero page)
     decode_seq_lens: torch.Tensor | None  # [B] int64
+    # Decode masks by sliding window (None: full causal), built by the first layer that asks: every
+    # layer of that kind reads the same one.
+    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # each [B, 1, 1, max_seq_len] bool
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -49,16 +59,10 @@ class TorchAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         out_cache_loc = forward_batch.out_cache_loc.to(self.device)
         if forward_batch.forward_mode is ForwardMode.DECODE:
-            seq_lens = forward_batch.seq_lens
-            max_len = max(seq_lens)
-            # Padding reads the zero page, never another request's or a freed page's KV (0 * NaN is NaN).
-            padded = torch.full((len(seq_lens), max_len), self.kv_pool.zero_slot, dtype=torch.int64)  # [B, max_len]
-            for row, slots in enumerate(forward_batch.kv_slots):
-                padded[row, : slots.numel()] = slots
-            self.metadata = _TorchMetadata(
-                out_cache_loc, ForwardMode.DECODE, [], padded.to(self.device),
-                torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
-            )
+            seq_lens = torch.tensor(forward_batch.seq_lens, dtype=torch.int64)  # [B]
+            padded = _padded_decode_slots(forward_batch, seq_lens, self.kv_pool.zero_slot)  # [B, max_len]
+            self.metadata = _TorchMetadata(out_cache_loc, ForwardMode.DECODE, [], padded.to(self.device),
+                                           seq_lens.to(self.device))
             return
         groups = _extend_groups(forward_batch, self.device)
         self.metadata = _TorchMetadata(out_cache_loc, ForwardMode.EXTEND, groups, None, None)
@@ -72,9 +76,11 @@ class TorchAttnBackend(AttentionBackend):
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))  # [N, Hq, Dv]
         for group in meta.extend_groups:
             num, q_len = group.size, group.q_len
-            if group.token_indices is None:  # one request: plain slices, no gather
-                tokens = slice(group.q_starts[0], group.q_starts[0] + q_len)
-                group_q, new_k, new_v = q[tokens][None], k[tokens][None], v[tokens][None]  # [1, n, H, D]
+            if group.token_indices is None:  # adjacent requests: a slice viewed as [G, n, ...], no gather
+                tokens = group.token_span
+                group_q = q[tokens].view(num, q_len, *q.shape[1:])  # [G, n, Hq, D]
+                new_k = k[tokens].view(num, q_len, *k.shape[1:])  # [G, n, Hkv, D]
+                new_v = v[tokens].view(num, q_len, *v.shape[1:])  # [G, n, Hkv, Dv]
             else:
                 index = group.token_indices
                 group_q = q.index_select(0, index).view(num, q_len, *q.shape[1:])  # [G, n, Hq, D]
@@ -88,7 +94,7 @@ class TorchAttnBackend(AttentionBackend):
                 values = v_flat.index_select(0, slots).view(*group.kv_slots.shape, *v_flat.shape[1:])
             attended = _attend(group_q, keys, values, group.prefix_len, scaling, sliding_window, softcap)  # [G, n, Hq, Dv]
             if group.token_indices is None:
-                out[tokens] = attended[0]
+                out[tokens] = attended.reshape(num * q_len, *attended.shape[2:])
             else:
                 out.index_copy_(0, group.token_indices, attended.reshape(num * q_len, *attended.shape[2:]))
         return out
@@ -99,26 +105,50 @@ class TorchAttnBackend(AttentionBackend):
         k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
         keys = k_flat.index_select(0, batch_slots).view(*meta.decode_slots.shape, *k_flat.shape[1:])  # [B, L, Hkv, D]
         values = v_flat.index_select(0, batch_slots).view(*meta.decode_slots.shape, *v_flat.shape[1:])  # [B, L, Hkv, Dv]
-        kv_pos = torch.arange(keys.shape[1], device=q.device)  # [L]
-        q_pos = (meta.decode_seq_lens - 1)[:, None]  # [B, 1]
-        allowed = kv_pos[None, :] <= q_pos  # [B, L]
-        if sliding_window is not None:
-            allowed &= kv_pos[None, :] > q_pos - sliding_window
+        allowed = meta.decode_masks.get(sliding_window)
+        if allowed is None:
+            allowed = meta.decode_masks[sliding_window] = _decode_mask(meta.decode_seq_lens, keys.shape[1],
+                                                                       sliding_window)
         batch, num_q_heads, head_dim = q.shape
         num_kv_heads = keys.shape[2]
         if softcap is None:
             out = F.scaled_dot_product_attention(
                 q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=allowed[:, None, None, :], scale=scaling, enable_gqa=num_q_heads != num_kv_heads,
+                attn_mask=allowed, scale=scaling, enable_gqa=num_q_heads != num_kv_heads,
             )  # [B, Hq, 1, Dv]
             return out[:, :, 0]
         grouped_q = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
         scores = torch.einsum("bkgd,blkd->bkgl", grouped_q.float(), keys.float()) * scaling  # [B, Hkv, G, L]
         scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+        scores = scores.masked_fill(~allowed, float("-inf"))
         probs = scores.softmax(dim=-1)
         out = torch.einsum("bkgl,blkd->bkgd", probs, values.float())  # [B, Hkv, G, Dv]
         return out.reshape(batch, num_q_heads, -1).to(q.dtype)
+
+
+def _padded_decode_slots(forward_batch: ForwardBatch, seq_lens: torch.Tensor, zero_slot: int) -> torch.Tensor:
+    """[B, max_seq_len] int64 slots of each request's KV, padded with the pool's zero slot.
+
+    Padding reads the zero page, never another request's or a freed page's KV (0 * NaN is NaN).
+    """
+    table = forward_batch.kv_slot_table
+    if table is not None:  # the request table's rows, read once: mask what lies past each request's end
+        past_end = torch.arange(table.shape[1]) >= seq_lens[:, None]  # [B, max_len]
+        return table.masked_fill(past_end, zero_slot)
+    padded = torch.full((len(seq_lens), int(seq_lens.max())), zero_slot, dtype=torch.int64)  # [B, max_len]
+    for row, slots in enumerate(forward_batch.kv_slots):
+        padded[row, : slots.numel()] = slots
+    return padded
+
+
+def _decode_mask(seq_lens: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:
+    """[B, 1, 1, kv_len] bool: which KV positions each request's one new token sees."""
+    kv_pos = torch.arange(kv_len, device=seq_lens.device)[None, :]  # [1, L]
+    q_pos = (seq_lens - 1)[:, None]  # [B, 1]
+    allowed = kv_pos <= q_pos  # [B, L]
+    if sliding_window is not None:
+        allowed &= kv_pos > q_pos - sliding_window
+    return allowed[:, None, None, :]
 
 
 def _extend_groups(forward_batch: ForwardBatch, device: torch.device) -> list[_ExtendGroup]:
@@ -130,7 +160,7 @@ def _extend_groups(forward_batch: ForwardBatch, device: torch.device) -> list[_E
     for (prefix_len, q_len), rows in by_shape.items():
         starts = [forward_batch.extend_start_loc[row] for row in rows]
         token_indices = None
-        if len(rows) > 1:
+        if starts != list(range(starts[0], starts[0] + len(rows) * q_len, q_len)):
             token_indices = (torch.tensor(starts)[:, None] + torch.arange(q_len)).flatten().to(device)  # [G * n]
         kv_slots = None
         if prefix_len > 0:

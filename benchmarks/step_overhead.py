@@ -1,0 +1,139 @@
+"""The engine's fixed cost per step, apart from the model's math, against HF `generate`'s.
+
+Each engine step is split into sections by timing the methods that run them: schedule, prepare
+(the ForwardBatch), plan (the attention backend's per-step metadata), model (HF's forward,
+attention calls included; attention shown apart), sample, and bookkeeping (the rest of the
+step: stop checks, outputs, finishing requests). The same greedy workload runs on the real small
+Llama and on a cheap one (one layer, hidden 32), whose math is next to nothing: on the cheap one a
+step's time is almost all fixed cost, and HF `generate`'s time per step there is its own fixed
+cost, the floor nnrun has to match. Ratios are of interleaved runs in one process.
+
+Usage: python benchmarks/step_overhead.py [--prompts 16] [--new-tokens 32] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import nnrun
+from common import interleaved_times, left_padded
+
+SECTIONS = ("schedule", "prepare", "plan", "model", "attention", "sample", "bookkeeping")
+
+
+class StepTimer:
+    """Wraps an engine's step phases (instance attributes only) and sums their seconds."""
+
+    def __init__(self, llm: nnrun.LLM) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.num_steps = 0
+        core, runner = llm.core, llm.runner
+        self._wrap(core.scheduler, "schedule", "schedule")
+        self._wrap(runner, "prepare_forward_batch_decode", "prepare")
+        self._wrap(runner, "prepare_forward_batch_extend", "prepare")
+        self._wrap(runner.attn_backend, "init_forward_metadata", "plan")
+        self._wrap(runner.attn_backend, "forward", "attention")
+        self._wrap(runner, "run_model", "model")
+        self._wrap(runner, "sample", "sample")
+        self._wrap(core, "step", "step")
+
+    def _wrap(self, owner: object, method: str, section: str) -> None:
+        inner: Callable = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[section] += time.perf_counter() - start
+                self.num_steps += section == "step"
+
+        setattr(owner, method, timed)
+
+    @contextmanager
+    def measuring(self) -> Iterator[None]:
+        self.seconds.clear()
+        self.num_steps = 0
+        yield
+
+    def per_step_ms(self) -> dict[str, float]:
+        """Milliseconds per step by section; `model` excludes the plan and `bookkeeping` is what is left."""
+        s, steps = self.seconds, max(1, self.num_steps)
+        model = s["model"] - s["plan"]
+        rest = s["step"] - s["schedule"] - s["prepare"] - s["model"] - s["sample"]
+        parts = {"schedule": s["schedule"], "prepare": s["prepare"], "plan": s["plan"], "model": model,
+                 "attention": s["attention"], "sample": s["sample"], "bookkeeping": rest, "step": s["step"]}
+        return {name: 1e3 * value / steps for name, value in parts.items()}
+
+
+def llama(hidden: int, layers: int, vocab: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
+                         max_position_embeddings=1024, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def measure(name: str, model: LlamaForCausalLM, args: argparse.Namespace) -> None:
+    import copy
+
+    hf = copy.deepcopy(model)
+    llm = nnrun.LLM(model)
+    timer = StepTimer(llm)
+    prompts = [[(7 * i + 3 * j) % (model.config.vocab_size - 2) + 2 for j in range(8 + (i * 7) % 25)]
+               for i in range(args.prompts)]
+    params = nnrun.SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    ids, mask = left_padded(prompts)
+
+    def hf_generate() -> None:
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                        do_sample=False, pad_token_id=0)
+
+    def engine_generate() -> None:
+        llm.generate(prompts, params)
+
+    hf_generate()
+    engine_generate()
+    with timer.measuring():  # only the engine's runs reach the timer
+        hf_time, our_time = interleaved_times(hf_generate, engine_generate, args.reps)
+    per_step = timer.per_step_ms()
+    wall_ms = 1e3 * our_time / (timer.num_steps / args.reps)
+    fixed = per_step["schedule"] + per_step["prepare"] + per_step["plan"] + per_step["sample"] + per_step["bookkeeping"]
+    print(f"\n{name}: {args.prompts} prompts x {args.new_tokens} greedy tokens; HF generate {1e3 * hf_time:.1f} ms, "
+          f"nnrun {1e3 * our_time:.1f} ms, speedup {hf_time / our_time:.2f}x")
+    print(f"  per step: HF generate {1e3 * hf_time / args.new_tokens:.2f} ms | nnrun {wall_ms:.2f} ms wall (median run), "
+          f"engine step {per_step['step']:.2f} ms (mean over all runs)")
+    for section in SECTIONS:
+        share = per_step[section] / per_step["step"]
+        note = " (inside model)" if section == "attention" else ""
+        print(f"    {section:12s} {per_step[section]:7.3f} ms  {share:6.1%}{note}")
+    print(f"    fixed cost (schedule+prepare+plan+sample+bookkeeping) {fixed:.3f} ms = {fixed / per_step['step']:.1%} "
+          f"of the step")
+    llm.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--torch-threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.torch_threads)
+    print(f"torch threads {torch.get_num_threads()}; times are medians of {args.reps} interleaved rounds")
+    measure("cheap Llama (1 layer, hidden 32): almost all fixed cost", llama(32, 1, 256), args)
+    measure("small Llama (4 layers, hidden 256)", llama(256, 4, 1024), args)
+
+
+if __name__ == "__main__":
+    main()

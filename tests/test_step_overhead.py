@@ -1,0 +1,79 @@
+"""The lean step (issue 15): no HF mask preparation inside a step, whole-batch step layouts, ungathered groups."""
+
+from __future__ import annotations
+
+import torch
+import transformers.masking_utils as masking_utils
+from transformers.masking_utils import AttentionMaskInterface
+
+import nnrun
+from nnrun.attention import ATTN_IMPLEMENTATION
+from nnrun.attention.torch_backend import _extend_groups
+from nnrun.forward_batch import ForwardMode
+from model_zoo import make_model, make_twin, random_prompts
+
+GREEDY = nnrun.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+def test_a_step_runs_no_hf_mask_preparation_and_plain_calls_still_mask(monkeypatch):
+    calls = []
+    real = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", lambda *a: calls.append(1) or real(*a))
+    model = make_model("llama")
+    with nnrun.LLM(model) as llm:
+        calls.clear()  # the load-time probe is a plain call
+        llm.generate(random_prompts([5, 3, 7]), GREEDY)
+        assert calls == []  # neither the prefill nor the decode steps prepared a mask
+        assert ATTN_IMPLEMENTATION in AttentionMaskInterface._global_mapping  # restored after each step
+        # The same model called plainly on a left-padded batch still masks the padding, as sdpa does.
+        ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+        mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+        twin = make_twin(model)
+        with torch.no_grad():
+            ours = llm.model(ids, attention_mask=mask).logits[0, -1]
+            expected = twin(ids, attention_mask=mask).logits[0, -1]
+        torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_layout_equals_the_general_builder():
+    """The decode fast path builds exactly what the general packed builder builds for the same requests."""
+    with nnrun.LLM(make_model("llama"), page_size=4, num_pages=64) as llm:
+        runner = llm.runner
+        runner.allocator._free_pages.reverse()  # descending page ids
+        reqs = [llm.make_request(p, GREEDY) for p in random_prompts([5, 1, 9, 4])]
+        for req in reqs:
+            req.page_ids = runner.allocator.alloc(runner.allocator.pages_needed(req.num_tokens))
+            req.req_pool_idx = runner.req_to_token_pool.alloc()
+        runner.prepare_forward_batch_extend(reqs)
+        for req in reqs:
+            req.num_computed_tokens = req.num_tokens
+            req.output_token_ids.append(7)  # one more token: it may open a new page
+            if runner.allocator.pages_needed(req.num_tokens) > len(req.page_ids):
+                req.page_ids += runner.allocator.alloc(1)
+        fast = runner.prepare_forward_batch_decode(reqs)
+        for req in reqs:
+            req.num_computed_tokens = req.num_tokens - 1
+        general = runner._prepare_forward_batch(reqs, ForwardMode.DECODE)
+        for name in ("input_ids", "positions", "out_cache_loc", "logits_indices"):
+            assert getattr(fast, name).tolist() == getattr(general, name).tolist(), name
+        assert [s.tolist() for s in fast.kv_slots] == [s.tolist() for s in general.kv_slots]
+        assert (fast.extend_seq_lens, fast.prefix_lens, fast.next_token_logits_rows) == (
+            general.extend_seq_lens, general.prefix_lens, general.next_token_logits_rows)
+        for req in reqs:
+            runner.release_kv(req)
+
+
+def test_adjacent_equal_prompts_attend_in_one_ungathered_call_and_match_solo_runs():
+    model = make_model("llama")
+    prompts = random_prompts([6, 6, 6, 6, 3])
+    with nnrun.LLM(model) as llm:
+        reqs = [llm.make_request(p, GREEDY) for p in prompts]
+        for req in reqs:
+            llm.runner._hold_kv(req)
+        groups = _extend_groups(llm.runner.prepare_forward_batch_extend(reqs), torch.device("cpu"))
+        assert [(g.size, g.token_indices is None) for g in groups] == [(4, True), (1, True)]
+        for req in reqs:
+            llm.runner.release_kv(req)
+        together = [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)]
+        alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
+    assert together == alone
