@@ -58,4 +58,4 @@ def generate_with_edits(model: Any, inputs: tuple, kwargs: dict) -> torch.Tensor
     request_ids = job.invocations[-1].request_ids  # the prompts' invocation comes after the edits
     requests = [job.requests[rid] for rid in request_ids]
     return pad_sequences([r.all_token_ids for r in requests], [len(r.prompt_token_ids) for r in requests],
-                         job.pad_token_id)
+                         job.pad_token_id, job.ids_device)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from interleaver.batcher import _paired_tensors
+from interleaver.nested import paired_tensors
 
 # The tensor's own `.grad` slot: nnsight's backward trace replaces `torch.Tensor.grad` with a
 # property that parks the block, and `_grad` reads the slot without the non-leaf warning.
@@ -70,7 +70,7 @@ class GradSink:
 
 def sink_grads(full: Any, served: Any) -> None:
     """Give each one-request view served from `full` that autograd tracks a `GradSink`."""
-    for flat, view in _paired_tensors(full, served):
+    for flat, view in paired_tensors(full, served):
         if (view is flat or not getattr(view, "_nnsight_batch", False) or not flat.requires_grad
                 or getattr(view, "_nnrun_grad_sink", None) is not None):
             continue

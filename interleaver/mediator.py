@@ -182,9 +182,15 @@ class PackedInterleaver(Interleaver):
         return self
 
     def handle(self, provider: str, value: Any) -> Any:
+        batcher = self.batcher
+        if provider not in self.parked and not self.sourced and not batcher.pending_skips \
+                and provider not in self.observers:
+            # Most visits of a step serve nobody (every module hands over its input, skip gate and
+            # output): count them as the base interleaver does, without recording the location.
+            self.counts[provider] = self.counts.get(provider, 0) + 1
+            return value
         if self.sourced and provider.endswith(CALLABLE_SUFFIX):
             forget_if_other_callable(self.sourced, provider[: -len(CALLABLE_SUFFIX)], value)
-        batcher = self.batcher
         previous, batcher.location = batcher.location, provider
         try:
             if batcher.pending_skips:

@@ -178,15 +178,23 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         prompts: dict[str, list[int]] = {}
         params: dict[str, SamplingParams] = {}
         extra_args: dict[str, dict] = {}  # per request, what it asks of the engine (output_attentions)
+        # Invokes without keywords of their own share the trace's settings: their sampling
+        # params (which depend only on the keywords and the prompt's length) are built once.
+        shared_params: dict[int, SamplingParams] = {}  # prompt length -> params, for such invokes
         for invoke in invokes:
             if invoke.prompts is None:
                 invoke.prompts = self._invoke_prompts(kind, invoke.inputs, invoke.kwargs)
+            settings = {**trace_kwargs, **invoke.kwargs}
+            invoke_params = shared_params if not invoke.kwargs else {}
+            invoke_args = attention_args(settings)
             ids = []
             for prompt in invoke.prompts:
                 request_id = f"nnsight-{seq}-{next(_request_seq)}"
                 prompts[request_id] = prompt
-                params[request_id] = self._sampling_params(kind, {**trace_kwargs, **invoke.kwargs}, len(prompt))
-                extra_args[request_id] = attention_args({**trace_kwargs, **invoke.kwargs})
+                if len(prompt) not in invoke_params:
+                    invoke_params[len(prompt)] = self._sampling_params(kind, settings, len(prompt))
+                params[request_id] = invoke_params[len(prompt)]
+                extra_args[request_id] = invoke_args
                 ids.append(request_id)
             request_ids.append(ids)
         every = [rid for ids in request_ids for rid in ids]
@@ -199,7 +207,7 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         invocations = edit_invocations(self._edits, every) + invocations
         needs_grad = needs_grad or edits_ask_for_grad(self._edits)
         job = TraceJob(kind, invocations, needs_grad=needs_grad, pad_token_id=self._pad_token_id(), seq=seq,
-                       streamer=user_streamer(kind, trace_kwargs))
+                       streamer=user_streamer(kind, trace_kwargs), ids_device=self.engine.runner.device)
         for request_id in every:
             job.requests[request_id] = self.engine.make_request(
                 prompts[request_id], params[request_id], request_id=request_id,
@@ -244,7 +252,7 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         else:
             outputs = generate_streamed(self.engine, prompts, params, streamer, self._pad_token_id())
         sequences = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
-        return pad_sequences(sequences, [len(p) for p in prompts], self._pad_token_id())
+        return pad_sequences(sequences, [len(p) for p in prompts], self._pad_token_id(), self.engine.runner.device)
 
     # ---- inputs and sampling --------------------------------------------------------------
     def _invoke_prompts(self, kind: str, inputs: tuple, kwargs: dict) -> list[list[int]]:

@@ -27,14 +27,15 @@ from typing import Any, Callable
 
 import torch
 from greenlet import error as GreenletError
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from nnsight.intervention.interleaver import EarlyStopException, dangling_unwind
 from nnsight.tracing.tracer import _local, _saves, inc
 
 from interleaver.batcher import PackedGroup
 from interleaver.generator import serve_generated_ids
-from interleaver.grads import carry_grad
 from interleaver.mediator import PackedInterleaver, PackedMediator, as_block_error, original_error
+from interleaver.saved_copies import unpin_block_saves, unpin_client_saves, unpin_saves
 from nnrun.forward_batch import ForwardBatch
 from nnrun.request import Request
 
@@ -67,11 +68,13 @@ class TraceJob:
     invocations: list[Invocation]
     needs_grad: bool = False
     pad_token_id: int = 0
+    ids_device: torch.device = torch.device("cpu")  # the model's device, where HF's generate puts ids
     seq: int = 0  # submission order across traces
     requests: dict[str, Request] = field(default_factory=dict)  # filled by the client at submit
     client_saves: list[Any] = field(default_factory=list)  # values the trace body saved (its invokes fill them)
     done: threading.Event = field(default_factory=threading.Event)
-    results: dict[str, Any] = field(default_factory=dict)  # request id -> its trace-mode model output
+    results: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> its trace's logits [1, T, V]
+    output_type: type = CausalLMOutputWithPast  # the model's own output class, which `tracer.result` is
     # How `tracer.result` is built from an invocation's finished requests; None: HF's forms (`_result_of`).
     make_result: Callable[[list[Request]], Any] | None = None
     streamer: Any = None  # a generation's own HF streamer: the client's thread feeds it (engine never calls it)
@@ -79,6 +82,22 @@ class TraceJob:
     def __post_init__(self) -> None:
         for invocation in self.invocations:
             invocation.job = self
+        self._index: tuple[list[Invocation], dict[str, list[Invocation]]] | None = None
+
+    def invocations_of(self, request_id: str) -> list[Invocation]:
+        """The invocations spanning one of this job's requests, in invoke order.
+
+        Indexed once per job (on its first request the engine sees) rather than searched per
+        request; rebuilt if `invocations` was replaced since (the serve layer attaches its
+        registered edits that way before submitting).
+        """
+        if self._index is None or self._index[0] is not self.invocations:
+            by_request: dict[str, list[Invocation]] = {}
+            for invocation in self.invocations:
+                for rid in dict.fromkeys(invocation.request_ids):  # an invocation once per request
+                    by_request.setdefault(rid, []).append(invocation)
+            self._index = (self.invocations, by_request)
+        return list(self._index[1].get(request_id, ()))
 
     @property
     def error(self) -> BaseException | None:
@@ -98,7 +117,7 @@ class NNsightRequestHelper:
     def __init__(self, interleaver: PackedInterleaver) -> None:
         self.interleaver = interleaver
         self.request_to_invocations: dict[str, list[Invocation]] = {}
-        self.live: list[Invocation] = []  # known and not yet finished
+        self.live: dict[Invocation, None] = {}  # known and not yet finished, in the order they became known
         self.step_invocations: list[Invocation] = []
 
     @property
@@ -121,11 +140,10 @@ class NNsightRequestHelper:
             job: TraceJob | None = req.extra_args.get("nnsight")
             if job is None or req.request_id in self.request_to_invocations:
                 continue
-            invocations = [inv for inv in job.invocations if req.request_id in inv.request_ids]
+            invocations = job.invocations_of(req.request_id)
             self.request_to_invocations[req.request_id] = invocations
             for invocation in invocations:
-                if invocation not in self.live:
-                    self.live.append(invocation)
+                self.live.setdefault(invocation)
 
     # ---- 2. per-step groups ---------------------------------------------------------------
     def process_batch_groups(self, forward_batch: ForwardBatch, logit_spans: list[tuple[int, int]]) -> list[Invocation]:
@@ -191,7 +209,7 @@ class NNsightRequestHelper:
     def end_step(self, forward_batch: ForwardBatch) -> None:
         """Copy saved values out of the step's tensors, fail requests whose block raised or stopped."""
         in_step = {req.request_id: req for req in forward_batch.reqs}
-        _unpin_saves(self.step_invocations)
+        unpin_saves(self.step_invocations)
         for invocation in self.step_invocations:
             error = invocation.mediator.exception
             if error is None:
@@ -212,7 +230,7 @@ class NNsightRequestHelper:
         """
         self.process_new_reqs(reqs)  # a request can finish (fail) before any step carried it
         finished_ids = {req.request_id for req in reqs}
-        ready = []
+        ready: dict[Invocation, None] = {}  # in the order found
         for req in reqs:
             for finished in self.request_to_invocations.pop(req.request_id, ()):
                 job = finished.job
@@ -222,18 +240,22 @@ class NNsightRequestHelper:
                         continue
                     request_ids = job.requests if job.kind == "generate" else invocation.request_ids
                     if all(job.requests[rid].is_finished or rid in finished_ids for rid in request_ids):
-                        ready.append(invocation)
-        return ready
+                        ready[invocation] = None
+        return list(ready)
 
     def finish(self, invocations: list[Invocation]) -> None:
         """Serve `result`, unwind, record saves; set `done` on jobs whose invocations all finished."""
+        memo: dict[int, Any] = {}  # one copy per saved view, whoever holds it
         for invocation in invocations:
-            self._finish_one(invocation)
-            self.live.remove(invocation)
+            self._finish_one(invocation, memo)
+            del self.live[invocation]
+        jobs = list({id(inv.job): inv.job for inv in invocations}.values())
+        # Once per job, after every block of it had its last word (`tracer.result`, an unwind).
+        unpin_client_saves(jobs, memo)
         if invocations:  # a step that failed before sampling leaves its workers here
             self.step_invocations = [inv for inv in self.step_invocations if not inv.is_finished]
             self.interleaver.mediators = [inv.mediator for inv in self.step_invocations]
-        for job in {id(inv.job): inv.job for inv in invocations}.values():
+        for job in jobs:
             if all(inv.is_finished for inv in job.invocations):
                 job.results.clear()  # the step's logits, kept only to serve `tracer.result`
                 job.done.set()
@@ -241,7 +263,7 @@ class NNsightRequestHelper:
             _saves().clear()  # nothing in flight: no saved id can still matter
             self.interleaver.sourced.clear()  # nor a callable some block drilled into (`op.source`)
 
-    def _finish_one(self, invocation: Invocation) -> None:
+    def _finish_one(self, invocation: Invocation, memo: dict[int, Any]) -> None:
         mediator = invocation.mediator
         invocation.is_finished = True
         mediator.batch_group = None
@@ -255,7 +277,7 @@ class NNsightRequestHelper:
                 mediator.exception = as_block_error(error)
         if mediator.alive and mediator.pending is not None:
             self._unwind(invocation)
-        _unpin_saves([invocation])
+        unpin_block_saves([invocation], memo)
         error = mediator.exception
         if error is not None and not isinstance(error, EarlyStopException) and invocation.error is None:
             invocation.error = error
@@ -291,8 +313,8 @@ class NNsightRequestHelper:
         if job.make_result is not None:
             return job.make_result([job.requests[rid] for rid in invocation.request_ids])
         if job.kind == "trace":
-            outputs = [job.results.get(rid) for rid in invocation.request_ids]
-            return _stack_outputs(outputs)
+            logits = [job.results.get(rid) for rid in invocation.request_ids]
+            return _stack_outputs(job.output_type, logits)
         return generated
 
 
@@ -301,68 +323,17 @@ def _is_serving(mediator: PackedMediator) -> bool:
     return mediator.alive or bool(mediator.caches)
 
 
-def _unpin_saves(invocations: list[Invocation]) -> None:
-    """Replace the blocks' saved views (and those inside their traces' saved containers) by copies."""
-    saved, memo = _saves(), {}
-    replaced: dict[int, Any] = {}  # id of a saved view -> the copy saved in its place
-    for invocation in invocations:
-        scope = invocation.mediator.lcls
-        for name in list(scope.written):
-            value = scope.get(name)
-            if id(value) not in saved:
-                continue
-            copy = _unpin(value, memo)
-            if copy is not value:
-                scope[name] = copy
-                replaced[id(value)] = copy
-        for value in invocation.job.client_saves:
-            _unpin(value, memo)
-    for view_id, copy in replaced.items():
-        saved.discard(view_id)
-        saved.add(id(copy))
-
-
-def _unpin(value: Any, memo: dict[int, Any]) -> Any:
-    """`value` with tensor views replaced by copies (lists and dicts edited in place).
-
-    A read is a view of the step's flat tensor, which holds every request's tokens: kept as is,
-    a saved value would pin the whole step's activations and expose other requests' through
-    `._base`. Called at the end of each step, when no block can still edit the view in place.
-    """
-    key = id(value)
-    if key in memo:
-        return memo[key]
-    memo[key] = value
-    if isinstance(value, torch.Tensor):
-        result = value.clone() if value._base is not None else value
-        if result is not value:
-            carry_grad(value, result)
-    elif isinstance(value, list):
-        value[:] = [_unpin(item, memo) for item in value]
-        result = value
-    elif isinstance(value, dict):
-        for name in list(value):
-            value[name] = _unpin(value[name], memo)
-        result = value
-    elif isinstance(value, tuple):
-        items = [_unpin(item, memo) for item in value]
-        result = type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    else:
-        result = value
-    memo[key] = result
-    return result
-
-
-def _stack_outputs(outputs: list[Any]) -> Any:
+def _stack_outputs(output_type: type, logits: list[torch.Tensor | None]) -> Any:
     """One request's model output as is; several stacked as HF stacks a left-padded batch."""
-    if len(outputs) == 1 or any(out is None for out in outputs):
-        return outputs[0]
-    logits = [out.logits for out in outputs]  # each [1, T_i, V]
-    max_len = max(t.shape[1] for t in logits)
+    if any(t is None for t in logits):
+        return None if logits[0] is None else output_type(logits=logits[0])
+    if len(logits) == 1:
+        return output_type(logits=logits[0])
+    max_len = max(t.shape[1] for t in logits)  # each [1, T_i, V]
     padded = logits[0].new_zeros((len(logits), max_len, logits[0].shape[-1]))  # [k, T_max, V]
     for i, t in enumerate(logits):
         padded[i, max_len - t.shape[1] :] = t[0]
-    return type(outputs[0])(logits=padded)
+    return output_type(logits=padded)
 
 
 def generated_ids(job: TraceJob, request_ids: list[str]) -> torch.Tensor:
@@ -370,16 +341,18 @@ def generated_ids(job: TraceJob, request_ids: list[str]) -> torch.Tensor:
     order = list(job.requests)
     requests = list(job.requests.values())
     ids = pad_sequences([r.all_token_ids for r in requests], [len(r.prompt_token_ids) for r in requests],
-                        job.pad_token_id)  # [B, T_max + new_max]
+                        job.pad_token_id, job.ids_device)  # [B, T_max + new_max]
     return ids[[order.index(rid) for rid in request_ids]]
 
 
-def pad_sequences(sequences: list[list[int]], prompt_lens: list[int], pad_token_id: int) -> torch.Tensor:
-    """Token ids as HF's `generate` returns them: prompts left-padded, completions right-padded."""
+def pad_sequences(sequences: list[list[int]], prompt_lens: list[int], pad_token_id: int,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """Token ids as HF's `generate` returns them: prompts left-padded, completions right-padded, on
+    the model's device (HF's are on its input ids' device)."""
     max_prompt = max(prompt_lens)
     max_new = max(len(seq) - n for seq, n in zip(sequences, prompt_lens))
     rows = []
     for seq, n in zip(sequences, prompt_lens):
         new = seq[n:]
         rows.append([pad_token_id] * (max_prompt - n) + seq[:n] + new + [pad_token_id] * (max_new - len(new)))
-    return torch.tensor(rows, dtype=torch.int64)  # [k, T_max + new_max]
+    return torch.tensor(rows, dtype=torch.int64, device=device)  # [k, T_max + new_max]

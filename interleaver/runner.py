@@ -119,12 +119,13 @@ class NNsightGPUModelRunner(ModelRunner):
         return not self.nnsight_requests.step_invocations and super().can_use_cuda_graph(forward_batch)
 
     def _keep_trace_outputs(self, forward_batch: ForwardBatch, logits: torch.Tensor) -> None:
-        """A traced prompt's `tracer.result`: its model output, as HF's forward returns it."""
+        """A traced prompt's logits, for its `tracer.result` (built only if a block waits for it)."""
+        output_type = getattr(self, "output_type", CausalLMOutputWithPast)
         for req, (start, length) in zip(forward_batch.reqs, _logit_spans(forward_batch)):
             job = _job_of(req)
             if job is not None and job.kind == "trace":
-                output_type = getattr(self, "output_type", CausalLMOutputWithPast)
-                job.results[req.request_id] = output_type(logits=logits[start : start + length][None])
+                job.output_type = output_type
+                job.results[req.request_id] = logits[start : start + length][None]  # [1, T, V]
 
     # ---- 3. logits and samples ------------------------------------------------------------
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> SamplerOutput:

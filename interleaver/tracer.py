@@ -23,7 +23,7 @@ from nnsight.intervention.util import clear_shared_locals, shared_locals
 from nnsight.tracing.tracer import _saves, mark, push_result
 from nnsight.tracing.util import Scope, filter_traceback
 
-from interleaver.batcher import SAMPLES_LOCATION
+from interleaver.layouts import SAMPLES_LOCATION
 from interleaver.mediator import PackedMediator
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class NNrunInvoker(Invoker):
 
     def execute(self, code: CodeType) -> None:
         # Checked here, so a bad input's traceback ends at this invoke's line, not the trace's.
-        prompts = self.tracer.envoy._invoke_prompts(self.tracer.fn, self.args, self.kwargs)
+        prompts = self.tracer.invoke_prompts(self.args, self.kwargs)
         frame = self.info.frame
         mediator = PackedMediator(code, frame.f_globals, dict(frame.f_locals), node=self.node,
                                   shared=shared_locals(frame))
@@ -60,9 +60,22 @@ class NNrunTracer(InterleavingTracer):
     def __init__(self, envoy: Any, fn: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(envoy, fn, *args, **kwargs)
         self.pending_invokes: list[PendingInvoke] = []
+        # An invoke's text prompt -> its token ids, for this trace: a sweep invokes the same prompt
+        # many times, and nnsight on HF tokenizes a trace's invokes together, once, after the body.
+        self.tokenized: dict[str, list[list[int]]] = {}
 
     def invoke(self, *args: Any, **kwargs: Any) -> NNrunInvoker:
         return NNrunInvoker(self, *args, **kwargs)
+
+    def invoke_prompts(self, args: tuple, kwargs: dict) -> list[list[int]]:
+        """An invoke's prompts as token ids (checked), tokenizing a text prompt once per trace."""
+        text = args[0] if len(args) == 1 and type(args[0]) is str and not kwargs else None
+        if text is None or text not in self.tokenized:
+            prompts = self.envoy._invoke_prompts(self.fn, args, kwargs)
+            if text is None:
+                return prompts
+            self.tokenized[text] = prompts
+        return [list(prompt) for prompt in self.tokenized[text]]  # each request owns its ids
 
     def next(self, step: int = 1) -> None:
         """Bind the block's following reads to the generation step `step` after the current one.
@@ -124,8 +137,14 @@ def _asks_for_grad(node: ast.AST | None) -> bool:
     """Whether a block reads `.grad`, retains one or calls `.backward()`: its requests run with autograd on.
 
     (`retain_grad()` alone counts: the gradient may be taken after the trace, from a saved output.)
+    nnsight parses a `with` block once per call site and hands back the same node on every trace
+    there, so the answer is kept on the node.
     """
     if node is None:
         return False
-    return any(isinstance(n, ast.Attribute) and n.attr in ("grad", "backward", "retain_grad")
-               for n in ast.walk(node))
+    asks = getattr(node, "_nnrun_asks_for_grad", None)
+    if asks is None:
+        asks = any(isinstance(n, ast.Attribute) and n.attr in ("grad", "backward", "retain_grad")
+                   for n in ast.walk(node))
+        node._nnrun_asks_for_grad = asks
+    return asks
