@@ -6,7 +6,10 @@ For each N in --clients (default 1 4 16): N client processes each send --traces 
 `nnrun.LanguageModel`. With --separate, N processes each loading their own nnsight + HF model
 run the same traces: total resident memory (one copy of the weights vs N) and throughput side by
 side. Clients start timing only once all of them have imported and connected (a start file).
-Prints traces/s, latency percentiles and the ratios; on a shared CPU only the ratios mean much.
+Prints traces/s, latency percentiles and the ratios, and the CPU time each trace cost in each
+process (server, clients, in-process engine): on a CPU with few cores the clients and the
+server compete for the same cores, and that line says where the time went. On a shared CPU only
+the ratios mean much.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -31,6 +35,12 @@ def one_trace(model, prompt: str, layer: int):
     with model.trace(prompt):
         hidden = model.model.layers[layer].output[:, -1].save()
     return hidden
+
+
+def cpu_s(pid: int | str = "self") -> float:
+    """User + system CPU seconds a process has used so far (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mb(pid: int | str = "self") -> float:
@@ -59,14 +69,19 @@ def run_client(args: argparse.Namespace) -> None:
     Path(args.out + ".ready").touch()
     while not Path(args.start).exists():
         time.sleep(0.01)
-    latencies, start = [], time.perf_counter()
+    latencies, start, cpu_start = [], time.perf_counter(), _self_cpu_s()
     for i in range(args.traces):
         began = time.perf_counter()
         one_trace(model, PROMPTS[i % len(PROMPTS)], i % 4)
         latencies.append(time.perf_counter() - began)
     Path(args.out).write_text(json.dumps({"latencies": latencies, "start": start, "end": time.perf_counter(),
                                           "wall_start": time.time() - (time.perf_counter() - start),
-                                          "rss_mb": rss_mb()}))
+                                          "rss_mb": rss_mb(), "cpu_s": _self_cpu_s() - cpu_start}))
+
+
+def _self_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 # ---- the driver -------------------------------------------------------------------------------
@@ -102,7 +117,8 @@ def run_processes(target: str, num_clients: int, args: argparse.Namespace, workd
                 proc.kill()
     seconds = max(r["wall_start"] + r["end"] - r["start"] for r in results) - began
     latencies = sorted(x for r in results for x in r["latencies"])
-    return summary(len(latencies), seconds, latencies) | {"rss_mb": rss}
+    client_cpu_ms = sum(r["cpu_s"] for r in results) * 1000 / len(latencies)
+    return summary(len(latencies), seconds, latencies) | {"rss_mb": rss, "client_cpu_ms": client_cpu_ms}
 
 
 def run_in_process(model, num_threads: int, args: argparse.Namespace) -> dict:
@@ -117,12 +133,13 @@ def run_in_process(model, num_threads: int, args: argparse.Namespace) -> dict:
                 latencies.append(time.perf_counter() - began)
 
     threads = [threading.Thread(target=work) for _ in range(num_threads)]
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), _self_cpu_s()
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return summary(len(latencies), time.perf_counter() - began, sorted(latencies))
+    cpu_ms = (_self_cpu_s() - cpu_began) * 1000 / len(latencies)
+    return summary(len(latencies), time.perf_counter() - began, sorted(latencies)) | {"cpu_ms": cpu_ms}
 
 
 def summary(count: int, seconds: float, latencies: list[float]) -> dict:
@@ -173,10 +190,15 @@ def main() -> None:
                 raise RuntimeError("nnrun serve did not start")
             time.sleep(0.2)
         run_in_process(local, 1, args)  # warm-up
-        print(f"model {args.model}; {args.traces} traces per client; one prompt each, one layer's last position saved")
+        weights_mb = sum(p.numel() * p.element_size() for p in local.engine.model.parameters()) / 2**20
+        print(f"model {args.model} ({weights_mb:.0f} MB of weights); {args.traces} traces per client; one prompt "
+              "each, one layer's last position saved")
         with tempfile.TemporaryDirectory() as workdir:
             for num_clients in args.clients:
+                server_cpu = cpu_s(server.pid)
                 served = run_processes(url, num_clients, args, Path(workdir))
+                # The server's CPU over the whole run (the clients' warm-up trace included: one each).
+                served["server_cpu_ms"] = (cpu_s(server.pid) - server_cpu) * 1000 / (num_clients * (args.traces + 1))
                 served["server_rss_mb"] = rss_mb(server.pid)
                 inproc = run_in_process(local, num_clients, args)
                 ratio = served["traces_per_s"] / inproc["traces_per_s"]
@@ -184,12 +206,17 @@ def main() -> None:
                       f"{served['p50_ms']:6.1f} ms p99 {served['p99_ms']:6.1f} ms | in-process (threads) "
                       f"{inproc['traces_per_s']:7.1f} traces/s p50 {inproc['p50_ms']:6.1f} ms p99 "
                       f"{inproc['p99_ms']:6.1f} ms | served/in-process {ratio:.2f}x")
+                print(f"{'':>3}         | CPU per trace: server {served['server_cpu_ms']:.1f} ms + client "
+                      f"{served['client_cpu_ms']:.1f} ms vs in-process {inproc['cpu_ms']:.1f} ms "
+                      f"({os.cpu_count()} cores here)")
                 if args.separate:
                     separate = run_processes("separate", num_clients, args, Path(workdir))
                     print(f"{'':>3}         | memory: server {served['server_rss_mb']:.0f} MB + clients "
                           f"{served['rss_mb']:.0f} MB = {served['server_rss_mb'] + served['rss_mb']:.0f} MB vs "
                           f"{num_clients} separate nnsight+HF processes {separate['rss_mb']:.0f} MB; separate "
-                          f"{separate['traces_per_s']:.1f} traces/s p50 {separate['p50_ms']:.1f} ms")
+                          f"{separate['traces_per_s']:.1f} traces/s p50 {separate['p50_ms']:.1f} ms p99 "
+                          f"{separate['p99_ms']:.1f} ms ({separate['traces_per_s'] / served['traces_per_s']:.2f}x "
+                          f"served), CPU per trace {separate['client_cpu_ms']:.1f} ms")
     finally:
         local.shutdown()
         server.terminate()

@@ -21,7 +21,9 @@ NOTEBOOK_TO_FIGURES = {
     "03_logit_lens.ipynb": ["03_logit_lens.png", "03_answer_by_block.png"],
     "04_steering.ipynb": ["04_steering_by_scale.png"],
     "05_extract_and_probe.ipynb": ["05_probe_accuracy.png", "05_country_confusion.png"],
+    "06_shared_server.ipynb": ["06_registered_steering.png"],
 }
+NOTEBOOKS_NEEDING_A_SERVER = {"06_shared_server.ipynb"}
 CELL_TIMEOUT_S = 300
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -60,9 +62,28 @@ def test_notebook_is_committed_clean_and_starts_with_the_model(name):
     assert 'MODEL = "tiny-facts"' in code_cells[0].source
 
 
+@pytest.fixture(scope="module")
+def serve_url():
+    """`nnrun serve tiny-facts` on 127.0.0.1 (a free port, with a key) for the notebooks that talk to one."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("uvicorn")
+    sys.path.insert(0, str(REPO_DIR / "tests" / "serve"))  # the serve tests' helpers start and stop it
+    from serve_helpers import API_KEY, ServerProcess
+
+    server = ServerProcess("--request-timeout", "120")
+    try:
+        yield server.wait_ready().url, API_KEY
+    finally:
+        server.stop()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs_and_writes_its_figures(name, python3_kernel, tmp_path):
+def test_notebook_runs_and_writes_its_figures(name, python3_kernel, tmp_path, request, monkeypatch):
+    if name in NOTEBOOKS_NEEDING_A_SERVER:  # the kernel inherits these; the notebook reads them
+        url, api_key = request.getfixturevalue("serve_url")
+        monkeypatch.setenv("NNRUN_SERVE_URL", url)
+        monkeypatch.setenv("NNRUN_API_KEY", api_key)
     shutil.copy(NOTEBOOKS_DIR / name, tmp_path / name)  # figures/ and activations/ land in the copy's folder
     notebook = nbformat.read(tmp_path / name, as_version=4)
     client = nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name=python3_kernel,

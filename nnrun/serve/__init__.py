@@ -13,6 +13,7 @@ Server side, one job per file:
   wire           the bytes both sides exchange: headers, results, deferred errors
 Client side:
   client         RemoteLanguageModel (`nnrun.LanguageModel(name, serve=url)`), its tracer and backend
+  transport      the client's HTTP: keep-alive POSTs, failures as ConnectionError
 
 nnrun's engine modules never import this package; it imports nnsight and FastAPI.
 """

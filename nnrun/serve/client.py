@@ -20,7 +20,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from urllib.parse import quote
 
-import httpx
 import torch
 from nnsight import NNsight
 from nnsight.intervention.interleaver import Mediator
@@ -34,6 +33,7 @@ from nnsight.tracing.util import SerializedFrame, push
 from interleaver.mediator import ServedValues
 from interleaver.keywords import _check_kwargs
 from nnrun.serve import wire
+from nnrun.serve.transport import Connection
 
 MAX_BACKGROUND_TRACES = 16  # non-blocking traces one model sends at once (more wait their turn)
 
@@ -56,8 +56,7 @@ class RemoteLanguageModel(ServedValues, NNsight):
         object.__setattr__(self, "url", serve.rstrip("/"))
         object.__setattr__(self, "api_key", api_key)
         object.__setattr__(self, "tokenizer", tokenizer if tokenizer is not None else _tokenizer(path))
-        object.__setattr__(self, "_http", httpx.Client(timeout=httpx.Timeout(
-            wire.CONNECT_TIMEOUT_S, read=wire.READ_TIMEOUT_S)))
+        object.__setattr__(self, "_http", Connection(self.url, api_key))
         object.__setattr__(self, "_background", None)
         object.__setattr__(self, "_background_lock", threading.Lock())
 
@@ -105,21 +104,9 @@ class RemoteLanguageModel(ServedValues, NNsight):
         return tracer.backend.send(tracer)["__nnrun_ids__"]
 
     # ---- transport ------------------------------------------------------------------------
-    def _post(self, path: str, content: bytes, params: Any = None) -> httpx.Response:
-        """POST to the server; any transport failure or non-200 answer is a ConnectionError."""
-        url = f"{self.url}{path}"
-        try:
-            response = self._http.post(url, content=content, params=params, headers=wire.headers(self.api_key))
-        except httpx.TransportError as error:
-            raise ConnectionError(f"could not reach nnrun serve at {self.url}: {type(error).__name__}: {error}") \
-                from None
-        if response.status_code != 200:
-            try:
-                detail = response.json().get("detail", response.reason_phrase)
-            except ValueError:
-                detail = response.reason_phrase
-            raise ConnectionError(wire.http_error_message(self.url, response.status_code, detail))
-        return response
+    def _post(self, path: str, content: bytes, params: Any = None) -> bytes:
+        """POST to the server; the answer's body. Any transport failure or non-200 answer is a ConnectionError."""
+        return self._http.post(path, content, params)
 
     def _submit(self, fn: Any, *args: Any) -> Future:
         with self._background_lock:
@@ -176,7 +163,7 @@ class ServeBackend(Backend):
 
     def _exchange(self, blob: bytes) -> dict[str, Any]:
         params = [("edits", name) for name in self.edits] if self.edits else None
-        result = wire.decode_result(self.model._post("/v1/nnsight/generate", blob, params).content)
+        result = wire.decode_result(self.model._post("/v1/nnsight/generate", blob, params))
         self.registered = result.get("registered", [])
         wire.raise_remote_error(result.get("error"))
         return result.get("saves", {})

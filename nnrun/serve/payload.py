@@ -20,6 +20,7 @@ import ast
 import io
 import itertools
 import linecache
+import threading
 from typing import Any
 
 import torch
@@ -35,6 +36,10 @@ from interleaver.tracer import NNrunTracer
 _TRACE_FNS = {"trace", "_call", "__call__", "forward"}
 _GENERATE_FNS = {"generate"}
 _request_numbers = itertools.count(1)
+# CPython 3.11's AST-to-Python converter keeps its recursion-depth check in per-interpreter state, so
+# two worker threads in `ast.parse` at once can fail with "SystemError: AST constructor recursion depth
+# mismatch" (seen under a 20-trace burst). Parsing a block takes microseconds: one at a time.
+_parse_lock = threading.Lock()
 
 
 class PayloadError(ValueError):
@@ -121,7 +126,8 @@ def load_trace(blob: bytes, model: Any) -> ServerTrace:
     frame.f_globals.setdefault("__builtins__", __builtins__)
     frame.f_locals = {name: rebind(value) for name, value in variables.items()}
     tracer.info = Tracer.Info(frame, code)
-    tracer.node = ast.parse(source)  # what `_asks_for_grad` walks; the mediators never re-serialize
+    with _parse_lock:
+        tracer.node = ast.parse(source)  # what `_asks_for_grad` walks; the mediators never re-serialize
     return ServerTrace(tracer, filename, client_frame.f_code.co_filename)
 
 

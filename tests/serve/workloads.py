@@ -144,8 +144,8 @@ def run_local(model, names: list[str]) -> dict:
 def garbage(model) -> dict:
     from nnrun.serve import wire
 
-    response = model._post("/v1/nnsight/generate", b"\x80\x04garbage that is not a pickle" * 10)
-    wire.raise_remote_error(wire.decode_result(response.content).get("error"))
+    body = model._post("/v1/nnsight/generate", b"\x80\x04garbage that is not a pickle" * 10)
+    wire.raise_remote_error(wire.decode_result(body).get("error"))
     return {}
 
 
