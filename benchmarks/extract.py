@@ -11,7 +11,10 @@ every token's output of one module (default model.layers.4) is wanted on the hos
 Prints tokens/s of each and the ratios of extraction to each (these machines are noisy: only
 the ratios mean much). Targets: at least 0.9x of (a), 2x of (b) and (c).
 
-    python benchmarks/extract.py [--num-prompts 2000] [--device cpu] [--skip-nnsight]
+    python benchmarks/extract.py [--num-prompts 2000] [--device cpu] [--skip-nnsight | --skip-baselines] [--profile]
+
+`--skip-baselines` times nnrun extract alone (no HF copy of the model is built: less memory);
+`--profile` adds where the extraction job's time goes (stage timers, see StageTimers).
 
 With `--engines 1,2` it measures the Ray executor instead: the same job on 1, 2, ... engine
 actors (a local Ray cluster; one CPU slot and one torch thread per engine, or one GPU each),
@@ -21,9 +24,11 @@ tokens/s of the job once the engines are up, their start-up, and each engine's p
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import tempfile
+import threading
 import time
 import warnings
 
@@ -48,6 +53,75 @@ class Clock:
 
     def stop(self) -> tuple[float, float]:
         return time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+class StageTimers:
+    """Seconds spent in named functions of the extraction job, by wrapping them for the benchmark's run.
+
+    The commit thread's stages (shard write, manifest) overlap the job thread's forwards; only the
+    job thread's wait on the committer (`submit`, `finish`) is time the forwards lose to disk.
+    """
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._lock = threading.Lock()  # the commit thread adds too
+        self._undo: list[tuple[object, str, bool, object]] = []  # owner, attr, had its own, its own
+
+    def wrap(self, owner: object, attr: str, stage: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+        own = vars(owner)  # a module's or class's own function; an instance has none (its class's method)
+        self._undo.append((owner, attr, attr in own, own.get(attr)))
+        setattr(owner, attr, timed)
+
+    def restore(self) -> None:
+        for owner, attr, had_own, own in reversed(self._undo):
+            if had_own:
+                setattr(owner, attr, own)
+            else:
+                delattr(owner, attr)
+        self._undo.clear()
+
+
+def profile_extract(llm: nnrun.LLM, prompts: list[list[int]], module: str, shard_tokens: int) -> None:
+    """One extraction job with stage timers: where its wall time goes."""
+    from nnrun.extract import committer, hooks, job, manifest, prepare, shards
+
+    timers = StageTimers()
+    timers.wrap(prepare, "_tokenize_chunk", "tokenize")
+    timers.wrap(prepare, "_check", "check prompts")
+    timers.wrap(llm.runner, "run_prefill_only", "model forward")
+    timers.wrap(hooks.ActivationCapture, "_keep", "hook copies (in model forward)")
+    timers.wrap(job.ExtractionJob, "_forward", "forward + capture")
+    timers.wrap(shards.ShardBuffer, "add", "buffer add")
+    timers.wrap(committer.ShardCommitter, "submit", "wait on committer")
+    timers.wrap(committer.ShardCommitter, "finish", "wait on committer (end)")
+    timers.wrap(committer, "write_shard", "shard write (commit thread)")
+    timers.wrap(manifest.Manifest, "save", "manifest save (commit thread)")
+    try:
+        wall_s, _ = time_extract(llm, prompts, module, shard_tokens)
+    finally:
+        timers.restore()
+    t = timers.seconds
+    t["capture set-up + gather rows"] = t.pop("forward + capture") - t["model forward"]
+    t["model forward"] -= t.get("hook copies (in model forward)", 0.0)  # the math alone
+    num_tokens = sum(map(len, prompts))
+    print(f"profile of nnrun extract: {wall_s:.1f} s wall, {num_tokens / wall_s:.0f} tokens/s")
+    job_thread = 0.0
+    for stage, seconds in sorted(t.items(), key=lambda item: -item[1]):
+        print(f"  {stage:32s} {seconds:8.2f} s  {100 * seconds / wall_s:5.1f}%")
+        job_thread += 0.0 if "commit thread" in stage else seconds
+    print(f"  {'other (planning, job thread)':32s} {wall_s - job_thread:8.2f} s  "
+          f"{100 * (wall_s - job_thread) / wall_s:5.1f}%")
 
 
 def time_extract(llm: nnrun.LLM, prompts: list[list[int]], module: str, shard_tokens: int) -> tuple[float, float]:
@@ -140,14 +214,21 @@ def time_engines(config, prompts: list[list[int]], module: str, args: argparse.N
                  num_engines: int) -> dict[str, float]:
     """One extraction job on `num_engines` Ray engines: job and start-up seconds, peak RSS per engine, folder hash."""
     import hashlib
-    import threading
     from pathlib import Path
 
     import ray
 
     from nnrun.distributed import RayExecutor
+    from nnrun.distributed.progress import EngineProgress
 
     engines: list = []
+    busy: list[float] = []  # seconds each engine spent in its ranges, from the job's progress
+    close = EngineProgress.close
+
+    def keep_busy(progress: EngineProgress, *args) -> None:
+        busy.extend(progress.engine_busy_s)
+        close(progress, *args)
+
     peaks: dict[int, int] = {}
     done = threading.Event()
 
@@ -162,6 +243,7 @@ def time_engines(config, prompts: list[list[int]], module: str, args: argparse.N
     out_dir = tempfile.mkdtemp(prefix="nnrun-extract-bench-")
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    EngineProgress.close = keep_busy
     try:
         start = time.perf_counter()
         llm_kwargs = {"load_format": "dummy", "device": args.device, "dtype": "float32",
@@ -174,11 +256,12 @@ def time_engines(config, prompts: list[list[int]], module: str, args: argparse.N
         for path in sorted(Path(out_dir).iterdir()):
             digest.update(path.read_bytes())
     finally:
+        EngineProgress.close = close
         done.set()
         watcher.join()
         shutil.rmtree(out_dir, ignore_errors=True)
     return {"job_s": summary.elapsed_s, "startup_s": total_s - summary.elapsed_s, "tokens": summary.num_new_tokens,
-            "peak_rss": max(peaks.values(), default=0), "sha256": digest.hexdigest()[:12]}
+            "peak_rss": max(peaks.values(), default=0), "sha256": digest.hexdigest()[:12], "busy_s": busy}
 
 
 def _peak_rss_bytes(pid: int) -> int:
@@ -205,6 +288,9 @@ def compare_engines(config, prompts: list[list[int]], args: argparse.Namespace) 
         print(f"{n} engines: {rate:.0f} tokens/s ({rate / base:.2f}x of {counts[0]}), job {r['job_s']:.1f} s after "
               f"{r['startup_s']:.1f} s of start-up; peak memory per engine {r['peak_rss'] / 2**20:.0f} MiB; "
               f"folder sha256 {r['sha256']}")
+        # An engine busy well under 100% of the job waited on the driver (planning, fetching rows, committing).
+        print("  engine busy (in run_range): " + ", ".join(f"{s:.1f} s ({100 * s / r['job_s']:.0f}%)"
+                                                           for s in r["busy_s"]))
 
 
 def _layer_of(module: str) -> int | None:
@@ -228,6 +314,9 @@ def main() -> None:
     parser.add_argument("--shard-tokens", type=int, default=32768)
     parser.add_argument("--hf-batch-size", type=int, default=16, help="prompts per padded batch / per trace")
     parser.add_argument("--skip-nnsight", action="store_true")
+    parser.add_argument("--skip-baselines", action="store_true",
+                        help="time nnrun extract alone: no (a), (b), (c), and no HF copy of the model in memory")
+    parser.add_argument("--profile", action="store_true", help="also: where the extraction job's time goes")
     parser.add_argument("--repeats", type=int, default=1, help="rounds; each contender's best time counts")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--engines", default=None, metavar="N,M", help="compare Ray engine counts, e.g. 1,2")
@@ -244,22 +333,21 @@ def main() -> None:
         return
     llm = nnrun.LLM(config, load_format="dummy", device=args.device, dtype="float32",
                     max_num_batched_tokens=args.batch_tokens, max_total_tokens=max(args.batch_tokens, args.max_len))
-    hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
-    hf.load_state_dict(llm.model.state_dict())  # the same weights for every contender
-    hf.to(args.device)
     prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, config.vocab_size)
     num_tokens = sum(map(len, prompts))
-    params = sum(p.numel() for p in hf.parameters())
+    params = sum(p.numel() for p in llm.model.parameters())
     print(f"model: dummy Llama, {params / 1e6:.1f}M params on {args.device}; {len(prompts)} prompts, "
           f"{num_tokens} tokens; module {args.module}; torch threads {torch.get_num_threads()}")
 
-    contenders = {
-        "extract": lambda batch: time_extract(llm, batch, args.module, args.shard_tokens),
-        "forward": lambda batch: time_bare_forward(llm, batch),
-        "hf": lambda batch: time_hf_padded(hf, batch, args.module, args.hf_batch_size),
-    }
-    if not args.skip_nnsight:
-        contenders["nnsight"] = lambda batch: time_nnsight(hf, batch, args.module, args.hf_batch_size)
+    contenders = {"extract": lambda batch: time_extract(llm, batch, args.module, args.shard_tokens)}
+    if not args.skip_baselines:
+        hf = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+        hf.load_state_dict(llm.model.state_dict())  # the same weights for every contender
+        hf.to(args.device)
+        contenders["forward"] = lambda batch: time_bare_forward(llm, batch)
+        contenders["hf"] = lambda batch: time_hf_padded(hf, batch, args.module, args.hf_batch_size)
+        if not args.skip_nnsight:
+            contenders["nnsight"] = lambda batch: time_nnsight(hf, batch, args.module, args.hf_batch_size)
     for run in contenders.values():  # first calls pay one-off costs (allocator, kernels): keep them out
         run(prompts[:4])
     wall: dict[str, float] = {}
@@ -275,7 +363,10 @@ def main() -> None:
         rate = {name: num_tokens / s for name, s in seconds.items()}
         print(f"tokens/s ({clock}): " + " | ".join(f"{names[n]} {rate[n]:.0f}" for n in rate))
         ratios = [f"vs {names[n].split(')')[0]}) {rate['extract'] / rate[n]:.2f}x" for n in rate if n != "extract"]
-        print(f"extraction ratio ({clock}): " + ", ".join(ratios) + "  (targets: >=0.9x (a), >=2x (b) and (c))")
+        if ratios:
+            print(f"extraction ratio ({clock}): " + ", ".join(ratios) + "  (targets: >=0.9x (a), >=2x (b) and (c))")
+    if args.profile:
+        profile_extract(llm, prompts, args.module, args.shard_tokens)
     depth = _layer_of(args.module)
     if depth is not None and depth + 1 < config.num_hidden_layers:
         print(f"note: extraction stops each forward after {args.module} ({depth + 1} of "

@@ -20,6 +20,7 @@ class RayExecutor:
     max_task_retries: int = 3  # and re-runs the range it was running
     max_ranges_ahead: int | None = None  # ranges planned but not committed; None: 2 per engine
     on_engines: Callable[[list[Any]], None] | None = None  # called with the actor handles once started (monitoring)
+    poll_interval_s: float = 0.5  # how often the driver asks a busy engine for its forward counts (progress bars)
 
     def __post_init__(self) -> None:
         for name in ("num_engines", "cpus_per_engine"):
@@ -28,6 +29,8 @@ class RayExecutor:
         for name in ("max_restarts", "max_task_retries"):
             if getattr(self, name) < -1:
                 raise ValueError(f"{name} must be -1 (no limit) or more, got {getattr(self, name)}")
+        if self.poll_interval_s <= 0:
+            raise ValueError(f"poll_interval_s must be positive, got {self.poll_interval_s}")
         if self.max_ranges_ahead is not None and self.max_ranges_ahead < self.num_engines:
             raise ValueError(f"max_ranges_ahead must be at least num_engines ({self.num_engines}), "
                              f"got {self.max_ranges_ahead}")

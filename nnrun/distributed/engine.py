@@ -46,6 +46,15 @@ class RangeInfo:
 
 
 @dataclass(frozen=True)
+class RangeProgress:
+    """How far an engine is into the range it runs: counted per forward batch, read by the driver's polls."""
+
+    number: int
+    num_prompts: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     """How to build each engine: what `nnrun.extract` would build in one process."""
 
@@ -70,6 +79,9 @@ class ExtractionEngine:
         source = PromptSource("iterable", "prompts", spec.text_field, spec.limit, lambda: iter(()))
         self.job = ExtractionJob(self.llm, source, spec.modules, Path(os.devnull), spec.options)
         self._current: int | None = None  # the range being run, for status()
+        # Counts of the current range, bumped by run_shard after each forward (two int additions, no
+        # call out of the process): the driver polls them on the control thread to move its bars.
+        self._progress = Progress(False, None)
         self._lock = threading.Lock()
 
     def describe(self) -> JobDescription:
@@ -82,11 +94,12 @@ class ExtractionEngine:
         Called with `num_returns=2`: the driver waits on the small RangeInfo while the rows stay
         in Ray's object store (which spills to disk) until their turn to be committed.
         """
+        progress = Progress(False, None)
         with self._lock:
-            self._current = number
+            self._current, self._progress = number, progress
         start = time.perf_counter()
         try:
-            buffer = self.job.run_shard(ShardPlan(prompts=prompts), Progress(False, None))
+            buffer = self.job.run_shard(ShardPlan(prompts=prompts), progress)
         finally:
             with self._lock:
                 self._current = None
@@ -96,6 +109,13 @@ class ExtractionEngine:
         """(this process's pid, the range it is running or None); answers while a range runs."""
         with self._lock:
             return os.getpid(), self._current
+
+    def progress(self) -> RangeProgress | None:
+        """The running range's prompts and tokens forwarded so far, or None between ranges; a control-group call."""
+        with self._lock:
+            if self._current is None:
+                return None
+            return RangeProgress(self._current, self._progress.num_prompts, self._progress.num_tokens)
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -24,6 +24,7 @@ from typing import Any
 
 from nnrun.distributed.cluster import RayExecutor, connect, start_engines, uses_gpus
 from nnrun.distributed.engine import EngineSpec, ExtractionEngine, JobDescription
+from nnrun.distributed.monitor import EngineMonitor
 from nnrun.distributed.progress import EngineProgress
 from nnrun.extract.committer import ShardCommit, ShardCommitter
 from nnrun.extract.inputs import PromptSource
@@ -57,7 +58,7 @@ def extract_on_ray(model: Any, tokenizer: Any, llm_kwargs: dict[str, Any] | None
         if executor.on_engines is not None:
             executor.on_engines(list(engines))
         description = _describe(engines)
-        driver = RangeDriver(engines, description, out_dir, options, executor.window)
+        driver = RangeDriver(engines, description, out_dir, options, executor.window, executor.poll_interval_s)
         make_progress = partial(EngineProgress, num_engines=len(engines), verbose=executor.verbose)
         return run_in_folder(out_dir, description.settings, description.model_info, source, options,
                              driver.extract_rest, make_progress)
@@ -98,12 +99,13 @@ class RangeDriver:
     """Hand ranges to idle engines and commit finished ones in plan order, at most `window` uncommitted."""
 
     def __init__(self, engines: list[Any], description: JobDescription, out_dir: Path,
-                 options: ExtractionOptions, window: int) -> None:
+                 options: ExtractionOptions, window: int, poll_interval_s: float) -> None:
         self.engines = engines
         self.description = description
         self.out_dir = out_dir
         self.options = options
         self.window = window
+        self.poll_interval_s = poll_interval_s
 
     def extract_rest(self, manifest: Manifest, records: HashedRecords, progress: EngineProgress) -> None:
         """Extract the input from `records` (positioned at `manifest.num_consumed`) to its end."""
@@ -119,6 +121,7 @@ class RangeDriver:
              progress: EngineProgress) -> None:
         import ray
 
+        monitor = EngineMonitor(self.engines, progress, self.poll_interval_s)
         pending: deque[PendingRange] = deque()  # planned and not committed, in plan order
         running: dict[Any, tuple[int, PendingRange]] = {}  # RangeInfo ref -> (engine, range)
         idle = list(range(len(self.engines)))
@@ -138,6 +141,7 @@ class RangeDriver:
                     item.info_ref, item.rows_ref = self.engines[engine].run_range.options(num_returns=2).remote(
                         number, plan.prompts)
                     running[item.info_ref] = (engine, item)
+                    progress.range_started(number)
                 pending.append(item)
                 number += 1
             while pending and pending[0].is_done:
@@ -148,13 +152,18 @@ class RangeDriver:
                 if not has_more:
                     return
                 continue
-            ready, _ = ray.wait(list(running), num_returns=1)
+            monitor.poll([engine for engine, _ in running.values()])
+            ready, _ = ray.wait([*running, *monitor.refs], num_returns=1, timeout=monitor.wait_timeout_s)
+            monitor.take(ready)
             for ref in ready:
+                if ref not in running:
+                    continue  # a poll's answer, counted above
                 engine, item = running.pop(ref)
                 info = ray.get(ref)  # raises the range's failure once Ray's retries are spent
                 idle.append(engine)
                 item.is_done = True
-                progress.range_done(engine, len(item.plan.prompts), item.plan.num_tokens, info.pid)
+                progress.range_done(engine, item.number, len(item.plan.prompts), item.plan.num_tokens, info.pid,
+                                    info.elapsed_s)
 
     def _commit(self, item: PendingRange, committer: ShardCommitter, progress: EngineProgress) -> None:
         import ray

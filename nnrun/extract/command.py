@@ -45,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "one; the folder is byte-identical to a single-process run")
     scale.add_argument("--engines", type=int, default=None, metavar="N",
                        help="engine actors with --ray (one GPU each where the cluster has GPUs; default 1)")
-    scale.add_argument("--verbose", "-v", action="store_true", help="with --ray: a progress line per engine")
+    scale.add_argument("--verbose", "-v", action="store_true",
+                       help="with --ray: a progress line per engine (tokens, tokens/s, ranges, restarts), moved as "
+                            "its forwards finish, and each engine's exact count at the end")
 
 
 def run(args: argparse.Namespace) -> int:
