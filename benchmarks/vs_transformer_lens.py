@@ -32,14 +32,13 @@ import copy
 import importlib.metadata
 import importlib.util
 import statistics
-import threading
 import time
 import warnings
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from interventions import build_tokenizer, prompt
+from interventions import build_tokenizer, prompt, run_threads
 
 STEER_LAYER = 1
 
@@ -203,26 +202,14 @@ def nn_save_invokes(model, texts: list[str], num_layers: int) -> list[torch.Tens
 
 def nnrun_save_threads(model, texts: list[str], num_layers: int, num_threads: int) -> list[torch.Tensor]:
     """One trace per prompt, from `num_threads` threads: the engine batches them into shared steps."""
-    saved: list = [None] * len(texts)
-    errors: list = []
+    tasks = [(text, i % num_layers) for i, text in enumerate(texts)]
+    return run_threads(save_one_trace, tasks, model, num_threads)[1]
 
-    def worker(first: int) -> None:
-        try:
-            for i in range(first, len(texts), num_threads):
-                with torch.no_grad(), model.trace(texts[i]):
-                    hidden = blocks(model)[i % num_layers].output.save()
-                saved[i] = hidden
-        except BaseException as error:
-            errors.append(error)
 
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(num_threads)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
-    return saved
+def save_one_trace(model, text: str, layer: int) -> torch.Tensor:
+    with torch.no_grad(), model.trace(text):
+        hidden = blocks(model)[layer].output.save()
+    return hidden
 
 
 def nn_steered(model, texts: list[str], vector: torch.Tensor, max_new_tokens: int) -> torch.Tensor:

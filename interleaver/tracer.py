@@ -70,11 +70,10 @@ class NNrunTracer(InterleavingTracer):
     def invoke_prompts(self, args: tuple, kwargs: dict) -> list[list[int]]:
         """An invoke's prompts as token ids (checked), tokenizing a text prompt once per trace."""
         text = args[0] if len(args) == 1 and type(args[0]) is str and not kwargs else None
-        if text is None or text not in self.tokenized:
-            prompts = self.envoy._invoke_prompts(self.fn, args, kwargs)
-            if text is None:
-                return prompts
-            self.tokenized[text] = prompts
+        if text is None:
+            return self.envoy._invoke_prompts(self.fn, args, kwargs)
+        if text not in self.tokenized:
+            self.tokenized[text] = self.envoy._invoke_prompts(self.fn, args, kwargs)
         return [list(prompt) for prompt in self.tokenized[text]]  # each request owns its ids
 
     def next(self, step: int = 1) -> None:

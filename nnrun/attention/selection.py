@@ -26,10 +26,10 @@ def create_attention_backend(name: str, kv_pool: KVPool, device: torch.device, l
     half = kv_pool.k_pages and kv_pool.k_pages[0].dtype in (torch.float16, torch.bfloat16)
     # Only the real kernels have the restriction (on CPU the backend runs under the tests' emulator).
     odd_head_dims = sorted(_head_dims(layers) - set(FLASHINFER_HEAD_DIMS)) if device.type == "cuda" else []
-    if name == "auto" and device.type == "cuda" and half and odd_head_dims and _flashinfer_available():
+    auto_could_take_flashinfer = name == "auto" and device.type == "cuda" and half and _flashinfer_available()
+    if auto_could_take_flashinfer and odd_head_dims:
         logger.info("head dims %s have no FlashInfer kernel: using the torch attention backend", odd_head_dims)
-    wants_flashinfer = name == "auto" and device.type == "cuda" and half and not odd_head_dims
-    if name == "flashinfer" or (wants_flashinfer and _flashinfer_available()):
+    if name == "flashinfer" or (auto_could_take_flashinfer and not odd_head_dims):
         if odd_head_dims:
             raise ValueError(f"DeviceConfig.attention_backend='flashinfer' runs head dims {FLASHINFER_HEAD_DIMS}, "
                              f"this model has {odd_head_dims}; use attention_backend='torch'")
