@@ -2,7 +2,7 @@
 
 `RemoteLanguageModel` builds the model's module tree on the meta device (a config, no weights),
 so `model.model.layers[0].output` and the rest of the nnsight API read as they do locally. A
-trace is captured as usual, serialized with nnsight's `RequestModel.serialize` (the block as
+trace is captured as usual, serialized as nnsight's `RequestModel.serialize` does (the block as
 source, plus the names it reads; each envoy travels as `Envoy:<path>`, resolved to the server's),
 posted to `/v1/nnsight/generate`, and its saves are pushed into the caller's frame as a local
 trace pushes them. An error in the block is re-raised here with its own type. `blocking=False`
@@ -25,7 +25,6 @@ from nnsight import NNsight
 from nnsight.intervention.interleaver import Mediator
 from nnsight.intervention.serialization import dumps
 from nnsight.intervention.tracer import InterleavingTracer
-from nnsight.schema.request import RequestModel
 from nnsight.tracing.backend import Backend
 from nnsight.tracing.tracer import Tracer, WithBlockNotFoundError, mark, skip_context, skippable
 from nnsight.tracing.util import SerializedFrame, push
@@ -33,6 +32,7 @@ from nnsight.tracing.util import SerializedFrame, push
 from interleaver.mediator import ServedValues
 from interleaver.keywords import _check_kwargs
 from nnrun.serve import wire
+from nnrun.serve.block_payload import serialize_trace
 from nnrun.serve.transport import Connection
 
 MAX_BACKGROUND_TRACES = 16  # non-blocking traces one model sends at once (more wait their turn)
@@ -144,13 +144,13 @@ class ServeBackend(Backend):
         if self.blocking:
             push_saves(tracer.info.frame, self.send(tracer))
             return
-        blob = RequestModel.serialize(tracer, compress=False)  # now: the frame's values as they are now
+        blob = serialize_trace(tracer)  # now: the frame's values as they are now
         self.frame = tracer.info.frame
         self.future = self.model._submit(self._exchange, blob)
 
     def send(self, tracer: Tracer) -> dict[str, Any]:
         """Run the trace on the server; its saves (its error raised here)."""
-        return self._exchange(RequestModel.serialize(tracer, compress=False))
+        return self._exchange(serialize_trace(tracer))
 
     def collect(self, timeout: float | None = None) -> dict[str, Any]:
         if self.future is None:

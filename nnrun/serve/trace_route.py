@@ -20,14 +20,17 @@ from nnsight.tracing.tracer import _saves, dec, inc
 from nnrun.serve.engine_model import RequestLimits, ServedLanguageModel
 from nnrun.serve.limits import read_body
 from nnrun.serve.payload import PayloadError, ServerTrace, load_trace
-from nnrun.serve.wire import capture_error, encode_result
+from nnrun.serve.wire import RAW_TENSORS, RESULT_FORMAT_HEADER, capture_error, encode_result
 
 logger = logging.getLogger("nnrun.serve")
 router = APIRouter()
 
 
-def run_trace(model: ServedLanguageModel, blob: bytes, limits: RequestLimits) -> bytes:
-    """Run one serialized trace to completion on this (worker) thread; the answer's body."""
+def run_trace(model: ServedLanguageModel, blob: bytes, limits: RequestLimits, raw_tensors: bool = False) -> bytes:
+    """Run one serialized trace to completion on this (worker) thread; the answer's body.
+
+    `raw_tensors`: the client reads `wire.encode_result`'s faster form (nnrun's client does).
+    """
     trace: ServerTrace | None = None
     saves: dict[str, Any] = {}
     error = None
@@ -41,7 +44,7 @@ def run_trace(model: ServedLanguageModel, blob: bytes, limits: RequestLimits) ->
             error = capture_error(raised, trace.filename, trace.client_filename)
     try:
         registered = [limits.registered_saves.get(request_id, {}) for request_id in limits.request_ids]
-        return encode_result(saves, error, registered)
+        return encode_result(saves, error, registered, raw_tensors)
     finally:
         if trace is not None:
             trace.release()  # after the traceback was formatted from the block's source
@@ -61,17 +64,25 @@ def _execute(model: ServedLanguageModel, trace: ServerTrace, limits: RequestLimi
     return saves
 
 
-@router.post("/v1/nnsight/generate")
 async def generate(request: Request) -> Response:
-    """Run a serialized nnsight trace; `torch.save({"saves", "error", "registered"})` back."""
+    """Run a serialized nnsight trace; `torch.save({"saves", "error", "registered"})` back.
+
+    A plain Starlette route (`add_route` below), not a FastAPI one: it takes the raw request and
+    needs no parameter parsing, and on a server holding one GIL for every client the dependency
+    machinery is CPU taken from the engine.
+    """
     state = request.app.state.serve
     model = state.ready_model()
     blob = await read_body(request, state.config.max_body_bytes)
     edits = request.query_params.getlist("edits") or None
     limits = RequestLimits(state.config.request_timeout_s, state.config.block_timeout_s, edits=edits)
-    work = asyncio.get_running_loop().run_in_executor(state.executor, run_trace, model, blob, limits)
+    raw_tensors = request.headers.get(RESULT_FORMAT_HEADER) == RAW_TENSORS
+    work = asyncio.get_running_loop().run_in_executor(state.executor, run_trace, model, blob, limits, raw_tensors)
     body = await state.wait_or_cancel(request, work, limits.cancelled)
     return Response(content=body, media_type="application/octet-stream")
+
+
+router.add_route("/v1/nnsight/generate", generate, methods=["POST"])
 
 
 @router.post("/v1/nnsight/register/{registration_id}")
