@@ -131,6 +131,9 @@ class PackedBatcher(SkipSplicing, Batcher):
                 view = tensor.narrow(0, group.rows[0], 1)
                 view._nnsight_batch = True
                 return view
+            view = _adjacent_rows_view(tensor, group.rows)
+            if view is not None:
+                return view
             return tensor[torch.tensor(group.rows, device=tensor.device)]  # [k, ...] a copy
         spans = group.spans(layout)
         if group.is_single:
@@ -138,16 +141,23 @@ class PackedBatcher(SkipSplicing, Batcher):
             view = tensor.narrow(1, start, length)
             view._nnsight_batch = True
             return view
+        view = _adjacent_spans_view(tensor, spans)
+        if view is not None:
+            return view
         return _gather_left_padded(tensor, spans)
 
     def scatter_back(self, full: Any, group: PackedGroup, served: Any) -> None:
         """Write a gathered copy's real tokens back into `full` (a several-request read)."""
         if group is None or group.is_single:
             return
+        if isinstance(served, torch.Tensor) and getattr(served, _ADJACENT_VIEW, False):
+            return  # a view of `full`: its edits are there already
         layout = self.layout_of(self.location)
         for full_leaf, served_tensor in paired_tensors(full, served):
             if isinstance(full_leaf, AttentionProbs):
                 scatter_probs(full_leaf, group.rows, served_tensor)
+            elif getattr(served_tensor, _ADJACENT_VIEW, False):
+                continue
             elif self._packed_dim(full_leaf, layout) is not None and served_tensor is not full_leaf:
                 self._write(full_leaf, group, layout, served_tensor)
 
@@ -205,6 +215,41 @@ class PackedBatcher(SkipSplicing, Batcher):
             source = edited[i, max_len - length :]
             if not _same_memory(target, source):
                 target.copy_(source)
+
+
+# Marks a several-request read served as a view of the flat tensor (`_adjacent_spans_view`): nothing to scatter back.
+_ADJACENT_VIEW = "_nnrun_adjacent_view"
+
+
+def _adjacent_spans_view(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor | None:
+    """The `[k, L, ...]` read of spans that are adjacent, in order and of one length L, as a view; else None.
+
+    Such spans need no padding, so the view holds exactly what the left-padded gather would copy
+    (a decode step of a list invoke: k spans of one token). In-place edits then land in the flat
+    tensor directly, as a one-request view's do. Only without autograd: a gathered copy is what
+    carries a several-request read's gradients (see interleaver/grads.py).
+    """
+    if torch.is_grad_enabled():
+        return None
+    first, length = spans[0]
+    for i, (start, span_length) in enumerate(spans):
+        if span_length != length or start != first + i * length:
+            return None
+    tokens = tensor[0].narrow(0, first, len(spans) * length)  # [k * L, ...]
+    if not tokens.is_contiguous():  # (a head-first value's token-first view): gather instead
+        return None
+    view = tokens.view(len(spans), length, *tokens.shape[1:])  # [k, L, ...]
+    setattr(view, _ADJACENT_VIEW, True)
+    return view
+
+
+def _adjacent_rows_view(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor | None:
+    """The `[k, ...]` read of consecutive rows in order, as a view (without autograd); else None."""
+    if torch.is_grad_enabled() or rows != list(range(rows[0], rows[0] + len(rows))):
+        return None
+    view = tensor.narrow(0, rows[0], len(rows))
+    setattr(view, _ADJACENT_VIEW, True)
+    return view
 
 
 def _gather_left_padded(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:

@@ -12,7 +12,7 @@ to its own trace, which the step's other traces know nothing of:
 
 - `serve_prompts`: a block's prompt rows once it has started, before its first forward;
 - `serve_step_tokens`: its rows of the step's tokens, after `model.samples`;
-- `serve_generated_ids`: its rows of the ids (`requests.generated_ids`) once every request of its
+- `serve_generated_ids`: its rows of the ids (`requests.padded_generated_ids`) once every request of its
   trace has finished, before `tracer.result`; an assignment there changes the result, as on HF.
 
 A visit counts for the served block alone (`_serve`), so other traces' steps never shift its
@@ -23,7 +23,7 @@ nnsight's `generate(streamer=...)` does (interleaver/streaming.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from interleaver.requests import Invocation, TraceJob
 
 GENERATOR_OUTPUT = "model.generator.output"
+NOT_SERVED = object()  # `serve_generated_ids` for a block that was not waiting for the ids
 STREAMER_OUTPUT = "model.generator.streamer.output"
 
 
@@ -71,22 +72,34 @@ def serve_prompts(invocations: list["Invocation"]) -> bool:
 
 def serve_step_tokens(invocations: list["Invocation"], forward_batch: ForwardBatch, token_ids: torch.Tensor) -> None:
     """A step's visit of the streamer: each block's rows of the tokens sampled (a finished request's: HF's pad)."""
-    row_of = {req.request_id: row for row, req in enumerate(forward_batch.reqs)}
-    sampled = token_ids.tolist()
+    row_of: dict[str, int] | None = None
+    sampled: list[int] = []
     for invocation in invocations:
         job = invocation.job
         if not _streams_to_generator(job):
             continue
+        mediator = invocation.mediator
+        if not _is_waiting_for(mediator, STREAMER_OUTPUT):  # the visit only counts: no rows to build
+            _count_visit(mediator, STREAMER_OUTPUT)
+            continue
+        if row_of is None:
+            row_of = {req.request_id: row for row, req in enumerate(forward_batch.reqs)}
+            sampled = token_ids.tolist()
         tokens = [sampled[row_of[rid]] if rid in row_of else job.pad_token_id for rid in invocation.request_ids]
-        _serve(invocation.mediator, STREAMER_OUTPUT, torch.tensor(tokens, dtype=torch.int64))  # [k]
+        _serve(mediator, STREAMER_OUTPUT, torch.tensor(tokens, dtype=torch.int64))  # [k]
 
 
-def serve_generated_ids(invocation: "Invocation", ids: torch.Tensor) -> Any:
+def serve_generated_ids(invocation: "Invocation", make_ids: Callable[[], torch.Tensor]) -> Any:
     """`model.generator.output` at the end of a generation: the block's rows of the trace's ids.
 
     Returns them, replaced if the block assigned them: on HF `tracer.result` is the generator's output.
+    A block not waiting for them only has the visit counted, and gets `NOT_SERVED` back (no ids built).
     """
-    return _serve(invocation.mediator, GENERATOR_OUTPUT, ids)
+    mediator = invocation.mediator
+    if not _is_waiting_for(mediator, GENERATOR_OUTPUT):
+        _count_visit(mediator, GENERATOR_OUTPUT)
+        return NOT_SERVED
+    return _serve(mediator, GENERATOR_OUTPUT, make_ids())
 
 
 def _prompt_rows(invocation: "Invocation") -> torch.Tensor:
@@ -113,5 +126,16 @@ def _serve(mediator: "PackedMediator", location: str, value: Any) -> Any:
         mediator.pending = None
     finally:
         mediator.batch_group = group
-    mediator.counts_at_start[location] = mediator.counts_at_start.get(location, 0) - 1
+    _count_visit(mediator, location)
     return value
+
+
+def _is_waiting_for(mediator: "PackedMediator", location: str) -> bool:
+    """Whether the block is parked on `location` (otherwise `handle` would hand the value straight back)."""
+    pending = mediator.pending
+    return pending is not None and pending.provider == location
+
+
+def _count_visit(mediator: "PackedMediator", location: str) -> None:
+    """Count a visit of `location` on the block alone: its next read of it asks for the next visit."""
+    mediator.counts_at_start[location] = mediator.counts_at_start.get(location, 0) - 1

@@ -11,13 +11,14 @@ wrong-shaped assignment into the worker, where the traceback names the user's li
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from greenlet import getcurrent
 
 from nnsight.intervention.eproperty import eproperty
-from nnsight.intervention.interleaver import Event, Interleaver, Mediator
+from nnsight.intervention.interleaver import EarlyStopException, Event, Interleaver, Mediator
 from nnsight.util import apply
 
 from interleaver.batcher import InvalidWriteError, PackedBatcher
@@ -180,6 +181,22 @@ class PackedInterleaver(Interleaver):
         super().__enter__()
         self.sourced.update(kept)
         return self
+
+    @contextmanager
+    def resumed(self) -> Iterator["PackedInterleaver"]:
+        """Interleave again later in a step, for the workers `mediators` holds, indexed as they are now.
+
+        What `with interleaver:` does minus its setup (starting workers, `reindex`): the runner enters
+        this several times a step (logits, samples, the streamer), each time just after `reindex`.
+        An early stop ends the visit it fired at, as `__exit__` has it.
+        """
+        self.interleaving = True
+        try:
+            yield self
+        except EarlyStopException:
+            pass
+        finally:
+            self.interleaving = False
 
     def handle(self, provider: str, value: Any) -> Any:
         batcher = self.batcher

@@ -208,8 +208,8 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         needs_grad = needs_grad or edits_ask_for_grad(self._edits)
         job = TraceJob(kind, invocations, needs_grad=needs_grad, pad_token_id=self._pad_token_id(), seq=seq,
                        streamer=user_streamer(kind, trace_kwargs), ids_device=self.engine.runner.device)
-        for request_id in every:
-            job.requests[request_id] = self.engine.make_request(
+        for request_id in every:  # the invokes' prompts were checked as they were tokenized
+            job.requests[request_id] = self.engine.make_request_from_ids(
                 prompts[request_id], params[request_id], request_id=request_id,
                 extra_args={"nnsight": job, **extra_args[request_id]},
                 preemptible=False,

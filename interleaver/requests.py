@@ -33,7 +33,7 @@ from nnsight.intervention.interleaver import EarlyStopException, dangling_unwind
 from nnsight.tracing.tracer import _local, _saves, inc
 
 from interleaver.batcher import PackedGroup
-from interleaver.generator import serve_generated_ids
+from interleaver.generator import NOT_SERVED, serve_generated_ids
 from interleaver.mediator import PackedInterleaver, PackedMediator, as_block_error, original_error
 from interleaver.saved_copies import unpin_block_saves, unpin_client_saves, unpin_saves
 from nnrun.forward_batch import ForwardBatch
@@ -148,21 +148,20 @@ class NNsightRequestHelper:
     # ---- 2. per-step groups ---------------------------------------------------------------
     def process_batch_groups(self, forward_batch: ForwardBatch, logit_spans: list[tuple[int, int]]) -> list[Invocation]:
         """Point each invocation at its requests' places in this step; return them in serving order."""
-        place: dict[str, tuple[tuple[int, int], tuple[int, int], int]] = {}
-        for row, req in enumerate(forward_batch.reqs):
-            token_span = (forward_batch.extend_start_loc[row], forward_batch.extend_seq_lens[row])
-            place[req.request_id] = (token_span, logit_spans[row], row)
+        row_of = {req.request_id: row for row, req in enumerate(forward_batch.reqs)}
+        starts, lengths = forward_batch.extend_start_loc, forward_batch.extend_seq_lens
         scheduled = []
         for invocation in self.live:
-            present = [place[rid] for rid in invocation.request_ids if rid in place]
-            if not present:
-                invocation.mediator.batch_group = None
+            mediator = invocation.mediator
+            rows = [row_of[rid] for rid in invocation.request_ids if rid in row_of]
+            if not rows:
+                mediator.batch_group = None
                 continue
-            group = PackedGroup([p[0] for p in present], [p[1] for p in present], [p[2] for p in present])
-            invocation.mediator.batch_group = group
-            invocation.mediator.edited_at = None
+            mediator.batch_group = PackedGroup([(starts[row], lengths[row]) for row in rows],
+                                               [logit_spans[row] for row in rows], rows)
+            mediator.edited_at = None
             scheduled.append(invocation)
-        scheduled.sort(key=lambda inv: (inv.job.seq, inv.index))
+        scheduled.sort(key=_serving_order)
         self.step_invocations = scheduled
         return scheduled
 
@@ -172,11 +171,12 @@ class NNsightRequestHelper:
         interleaver = self.interleaver
         if not getattr(_local, "depth", 0):
             inc()  # `.save()` inside a worker needs an open trace depth on this (the engine) thread
-        running = set(map(id, invocations))
-        for invocation in self.live:
-            if invocation.is_started and id(invocation) not in running and invocation.mediator.alive:
-                if invocation.counts_when_out is None:
-                    invocation.counts_when_out = dict(interleaver.counts)
+        if len(invocations) < len(self.live):  # some sit this step out
+            running = set(map(id, invocations))
+            for invocation in self.live:
+                if invocation.is_started and id(invocation) not in running and invocation.mediator.alive:
+                    if invocation.counts_when_out is None:
+                        invocation.counts_when_out = dict(interleaver.counts)
         for invocation in invocations:
             mediator = invocation.mediator
             if invocation.counts_when_out is not None:  # its own occurrences skip the steps it sat out
@@ -208,12 +208,14 @@ class NNsightRequestHelper:
     # ---- 4. requests whose block raised or stopped ------------------------------------------
     def end_step(self, forward_batch: ForwardBatch) -> None:
         """Copy saved values out of the step's tensors, fail requests whose block raised or stopped."""
-        in_step = {req.request_id: req for req in forward_batch.reqs}
         unpin_saves(self.step_invocations)
+        in_step: dict[str, Request] | None = None
         for invocation in self.step_invocations:
             error = invocation.mediator.exception
             if error is None:
                 continue
+            if in_step is None:
+                in_step = {req.request_id: req for req in forward_batch.reqs}
             for request_id in invocation.request_ids:
                 req = in_step.get(request_id)
                 if req is not None:
@@ -246,8 +248,9 @@ class NNsightRequestHelper:
     def finish(self, invocations: list[Invocation]) -> None:
         """Serve `result`, unwind, record saves; set `done` on jobs whose invocations all finished."""
         memo: dict[int, Any] = {}  # one copy per saved view, whoever holds it
+        padded_ids: dict[int, torch.Tensor] = {}  # per generation job, its ids padded to the trace (made once)
         for invocation in invocations:
-            self._finish_one(invocation, memo)
+            self._finish_one(invocation, memo, padded_ids)
             del self.live[invocation]
         jobs = list({id(inv.job): inv.job for inv in invocations}.values())
         # Once per job, after every block of it had its last word (`tracer.result`, an unwind).
@@ -263,14 +266,17 @@ class NNsightRequestHelper:
             _saves().clear()  # nothing in flight: no saved id can still matter
             self.interleaver.sourced.clear()  # nor a callable some block drilled into (`op.source`)
 
-    def _finish_one(self, invocation: Invocation, memo: dict[int, Any]) -> None:
+    def _finish_one(self, invocation: Invocation, memo: dict[int, Any], padded_ids: dict[int, torch.Tensor]) -> None:
         mediator = invocation.mediator
         invocation.is_finished = True
         mediator.batch_group = None
-        generated = None
-        if invocation.job.kind == "generate" and mediator.alive:
-            generated = serve_generated_ids(invocation, generated_ids(invocation.job, invocation.request_ids))
+        job = invocation.job
+        generated: Any = NOT_SERVED  # the ids are built only for a block that reads them
+        if job.kind == "generate" and mediator.alive:
+            generated = serve_generated_ids(invocation, lambda: _generated_rows(invocation, padded_ids))
         if mediator.alive and mediator.pending is not None and mediator.pending.provider == RESULT_LOCATION:
+            if job.kind == "generate" and generated is NOT_SERVED:
+                generated = _generated_rows(invocation, padded_ids)
             try:
                 mediator.handle(RESULT_LOCATION, self._result_of(invocation, generated))
             except BaseException as error:
@@ -318,6 +324,11 @@ class NNsightRequestHelper:
         return generated
 
 
+def _serving_order(invocation: Invocation) -> tuple[int, int]:
+    """Trace submission order, then invoke order (a trace's stored edits first)."""
+    return invocation.job.seq, invocation.index
+
+
 def _is_serving(mediator: PackedMediator) -> bool:
     """A block still parked, or one whose `tracer.cache()` observes the rest of its run."""
     return mediator.alive or bool(mediator.caches)
@@ -336,13 +347,23 @@ def _stack_outputs(output_type: type, logits: list[torch.Tensor | None]) -> Any:
     return output_type(logits=padded)
 
 
-def generated_ids(job: TraceJob, request_ids: list[str]) -> torch.Tensor:
-    """These requests' rows of a generation's ids, padded to the whole trace as HF pads its batch."""
-    order = list(job.requests)
+def padded_generated_ids(job: TraceJob) -> torch.Tensor:
+    """A generation's ids, every request of the trace padded as HF pads its batch: `[B, T_max + new_max]`."""
     requests = list(job.requests.values())
-    ids = pad_sequences([r.all_token_ids for r in requests], [len(r.prompt_token_ids) for r in requests],
-                        job.pad_token_id, job.ids_device)  # [B, T_max + new_max]
-    return ids[[order.index(rid) for rid in request_ids]]
+    return pad_sequences([r.all_token_ids for r in requests], [len(r.prompt_token_ids) for r in requests],
+                         job.pad_token_id, job.ids_device)
+
+
+def _generated_rows(invocation: Invocation, padded_ids: dict[int, torch.Tensor]) -> torch.Tensor:
+    """An invocation's rows of its generation's padded ids, the padded matrix made once per job (`padded_ids`).
+
+    Rows are taken by advanced indexing, a copy each, so one block assigning its ids never changes another's.
+    """
+    job = invocation.job
+    if id(job) not in padded_ids:
+        padded_ids[id(job)] = padded_generated_ids(job)
+    row_of = {request_id: row for row, request_id in enumerate(job.requests)}
+    return padded_ids[id(job)][[row_of[request_id] for request_id in invocation.request_ids]]  # [k, T_max + new_max]
 
 
 def pad_sequences(sequences: list[list[int]], prompt_lens: list[int], pad_token_id: int,

@@ -120,6 +120,8 @@ class NNsightGPUModelRunner(ModelRunner):
 
     def _keep_trace_outputs(self, forward_batch: ForwardBatch, logits: torch.Tensor) -> None:
         """A traced prompt's logits, for its `tracer.result` (built only if a block waits for it)."""
+        if all(invocation.job.kind != "trace" for invocation in self.nnsight_requests.step_invocations):
+            return  # a generation's steps: nothing to keep (every request of a trace has an invocation here)
         output_type = getattr(self, "output_type", CausalLMOutputWithPast)
         for req, (start, length) in zip(forward_batch.reqs, _logit_spans(forward_batch)):
             job = _job_of(req)
@@ -133,15 +135,21 @@ class NNsightGPUModelRunner(ModelRunner):
         if not helper.step_invocations:
             return super().sample(logits_output, forward_batch)
         model = self.nnsight_model
-        if helper.keep_running():
-            with self.interleaver:
+        interleaver = self.interleaver
+        if helper.keep_running():  # (each `keep_running` reindexes the workers the next visit serves)
+            with interleaver.resumed():
                 logits_output.next_token_logits = type(model).logits.provide(model, logits_output.next_token_logits)
         sampler_output = super().sample(logits_output, forward_batch)
         if helper.keep_running():
-            with self.interleaver:
-                sampler_output.token_ids = type(model).samples.provide(model, sampler_output.token_ids)
-            self._fail_invalid_samples(forward_batch.reqs, sampler_output.token_ids)
-            with self.interleaver:  # then HF's streamer has the step's tokens
+            sampled = sampler_output.token_ids
+            version = sampled._version
+            with interleaver.resumed():
+                sampler_output.token_ids = type(model).samples.provide(model, sampled)
+            # An assignment was checked where it was made; only an in-place edit (which bumps the
+            # version counter) can have put a token outside the vocabulary.
+            if sampler_output.token_ids is not sampled or sampled._version != version:
+                self._fail_invalid_samples(forward_batch.reqs, sampler_output.token_ids)
+            with interleaver.resumed():  # then HF's streamer has the step's tokens
                 serve_step_tokens(helper.step_invocations, forward_batch, sampler_output.token_ids)
         helper.end_step(forward_batch)
         return sampler_output

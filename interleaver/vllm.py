@@ -11,8 +11,9 @@ engine does stay nnrun's (HF's).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -126,7 +127,8 @@ class VLLM(LanguageModel):
         if job.error is not None:
             raise job.error
         own = next(inv for inv in job.invocations if inv.mediator is invoke.mediator)  # the edits' come first
-        return _request_outputs([job.requests[rid] for rid in own.request_ids])
+        requests = [job.requests[rid] for rid in own.request_ids]
+        return _request_outputs(requests, self.engine.core.stop_checker.final_text)
 
     def _tracer(self, where: str, inputs: tuple, kwargs: dict) -> VLLMTracer:
         kwargs = vllm_sampling_kwargs(kwargs)
@@ -136,7 +138,7 @@ class VLLM(LanguageModel):
     # ---- what the tracer asks of the model ------------------------------------------------
     def _build_job(self, kind: str, invokes: list, *args: Any, **kwargs: Any) -> TraceJob:
         job = super()._build_job(kind, invokes, *args, **kwargs)
-        job.make_result = _traced_result
+        job.make_result = functools.partial(_traced_result, text_of=self.engine.core.stop_checker.final_text)
         invocations = {id(invocation.mediator): invocation for invocation in job.invocations}
         for invoke in invokes:  # keep the prompt text, as vLLM's outputs do
             invocation = invocations.get(id(invoke.mediator))
@@ -203,16 +205,18 @@ def _from_vllm_prompt(data: Any) -> Any:
     raise ValueError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'input_ids', got no keys")
 
 
-def _traced_result(requests: list[Request]) -> RequestOutput | list[RequestOutput]:
+def _traced_result(requests: list[Request],
+                   text_of: Callable[[Request], str]) -> RequestOutput | list[RequestOutput]:
     """`tracer.result` on VLLM: the invoke's finished `RequestOutput` (several prompts: a list)."""
-    outputs = _request_outputs(requests)
+    outputs = _request_outputs(requests, text_of)
     return outputs[0] if len(outputs) == 1 else outputs
 
 
-def _request_outputs(requests: list[Request]) -> list[RequestOutput]:
+def _request_outputs(requests: list[Request], text_of: Callable[[Request], str]) -> list[RequestOutput]:
+    """Finished requests as vLLM's outputs; `text_of` gives a finished request's text (the engine's stop checker)."""
     outputs = []
     for req in requests:
-        output = RequestOutput.from_request(req, req.text or "")
+        output = RequestOutput.from_request(req, text_of(req))
         # The trace's own job rides in extra_args; a saved result must not keep it (and its blocks) alive.
         extra = {name: value for name, value in req.extra_args.items() if name != "nnsight"}
         outputs.append(dataclasses.replace(output, extra_args=extra))

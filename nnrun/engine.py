@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -25,21 +25,28 @@ logger = logging.getLogger(__name__)
 
 
 class RequestHandle:
-    """The caller's side of one request: wait for its output, or stream it."""
+    """The caller's side of one request: wait for its output, or stream it.
 
-    def __init__(self, request: Request, stream: bool) -> None:
+    A finished request's output (and its text) is built when `result()` first asks for it, on the
+    caller's thread: many callers (a trace's requests) never ask, and detokenizing is not free.
+    """
+
+    def __init__(self, request: Request, stream: bool, text_of: Callable[[Request], str]) -> None:
         self.request = request
         self.request_id = request.request_id
+        self._text_of = text_of  # a finished request's final text
         self._done = threading.Event()
         self._stream: queue.Queue | None = queue.Queue() if stream else None
         self._output: RequestOutput | None = None
 
     def _publish(self, output: RequestOutput) -> None:
-        if self._stream is not None:
-            self._stream.put(output)
+        """A streamed output (the engine thread calls this only for a streaming handle)."""
+        self._stream.put(output)
         if output.finished:
             self._output = output
-            self._done.set()
+
+    def _finish(self) -> None:
+        self._done.set()
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Block until the request finishes; raises the request's error if it failed."""
@@ -47,6 +54,8 @@ class RequestHandle:
             raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
         if self.request.error is not None:
             raise self.request.error
+        if self._output is None:  # a finished request no longer changes: build its output once, now
+            self._output = RequestOutput.from_request(self.request, self._text_of(self.request))
         return self._output
 
     def stream(self) -> Iterator[RequestOutput]:
@@ -219,6 +228,16 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt, where)
+        return self.make_request_from_ids(token_ids, params, where=where, text=text, request_id=request_id,
+                                          extra_args=extra_args, preemptible=preemptible)
+
+    def make_request_from_ids(self, token_ids: list[int], params: SamplingParams, *, where: str = "prompt",
+                              text: str | None = None, request_id: str | None = None,
+                              extra_args: dict | None = None, preemptible: bool = True) -> Request:
+        """A request of token ids this process has checked already (`nnrun.prompts.tokenize_prompt`'s).
+
+        Only the length is checked here; `make_request` is the door for anything a user handed over.
+        """
         limit = min(self.runner.max_model_len, self.runner.max_total_tokens)
         if len(token_ids) >= limit:
             raise ValueError(
@@ -252,7 +271,8 @@ class LLM:
     # ---- the engine thread ----------------------------------------------------------------
     def _enqueue(self, requests: list[Request], stream: bool) -> list[RequestHandle]:
         self.check_not_engine_thread("model.trace(), model.generate() or an engine call")
-        handles = [RequestHandle(req, stream) for req in requests]
+        text_of = self.core.stop_checker.final_text
+        handles = [RequestHandle(req, stream, text_of) for req in requests]
         with self._wakeup:
             if self._stopping:
                 raise RuntimeError("the engine has been shut down")
@@ -314,14 +334,16 @@ class LLM:
             self._publish(stepped, finished)
 
     def _publish(self, stepped: Iterable[Request], finished: Iterable[Request] = ()) -> None:
+        stop_checker = self.core.stop_checker
         for req in itertools.chain(stepped, finished):
             handle = self._handles.get(req.request_id)
             if handle is None:
                 continue
-            if handle._stream is not None or req.is_finished:
-                text = req.text if req.is_finished else self.core.stop_checker.detokenize(req)
+            if handle._stream is not None:
+                text = stop_checker.final_text(req) if req.is_finished else stop_checker.detokenize(req)
                 handle._publish(RequestOutput.from_request(req, text))
             if req.is_finished:
+                handle._finish()
                 self._handles.pop(req.request_id, None)
 
 

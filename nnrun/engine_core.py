@@ -109,9 +109,8 @@ class EngineCore:
     def _finish(self, finished: list[Request]) -> None:
         if not finished:
             return
-        for req in finished:
-            if req.text is None:
-                req.text = self.stop_checker.detokenize(req)
+        # No detokenizing here: a finished request's text is made when someone reads it
+        # (`StopChecker.final_text`), and most of a trace's requests are never read as text.
         try:
             self.runner.finish_requests(finished)
         except BaseException as error:

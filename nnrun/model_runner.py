@@ -286,13 +286,20 @@ class ModelRunner:
 
     def _mask_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         """Rows still short of `min_tokens` cannot pick EOS or a stop token (HF's min_new_tokens)."""
-        short = [row for row, req in enumerate(reqs) if len(req.output_token_ids) < req.sampling_params.min_tokens]
-        if not short:
+        vocab_size = logits.shape[-1]
+        rows: list[int] = []
+        columns: list[int] = []
+        for row, req in enumerate(reqs):
+            params = req.sampling_params
+            if len(req.output_token_ids) >= params.min_tokens:
+                continue
+            stops = [t for t in {*self.eos_token_ids, *params.stop_token_ids} if 0 <= t < vocab_size]
+            rows.extend([row] * len(stops))
+            columns.extend(stops)
+        if not rows:  # nobody short, or nothing to forbid (no EOS, no stop tokens): the logits as they are
             return logits
         logits = logits.clone()  # [B, V]; the caller's logits (nnsight's model.logits) stay as served
-        for row in short:
-            stops = set(self.eos_token_ids) | set(reqs[row].sampling_params.stop_token_ids)
-            logits[row, [t for t in stops if 0 <= t < logits.shape[-1]]] = float("-inf")
+        logits[rows, columns] = float("-inf")  # one indexed write for every (row, stop token) pair
         return logits
 
     def requests_to_blame(self, reqs: list[Request]) -> list[Request]:

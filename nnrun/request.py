@@ -53,7 +53,7 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     generator: torch.Generator | None = None
-    text: str | None = None  # final text once finished (trimmed at a stop string)
+    text: str | None = None  # final text: cut at a stop string, else decoded when read (StopChecker.final_text)
 
     @property
     def all_token_ids(self) -> list[int]:

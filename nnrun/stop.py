@@ -44,6 +44,12 @@ class StopChecker:
             return FinishReason.LENGTH
         return None
 
+    def final_text(self, req: Request) -> str:
+        """A finished request's text: cut at its stop string if one ended it, else all its tokens decoded."""
+        if req.text is None:
+            req.text = self.detokenize(req)
+        return req.text
+
     def detokenize(self, req: Request) -> str:
         if self.tokenizer is None:
             return ""

@@ -47,6 +47,43 @@ def test_several_requests_are_gathered_left_padded_and_scattered_back():
     assert (value[0, 0:5] == 7).all() and (value[0, 6:9] == 7).all() and (value[0, 5] != 7).all()
 
 
+R1_R2_DECODE = PackedGroup([(5, 1), (6, 1)], [(1, 1), (2, 1)], [1, 2])  # two adjacent one-token spans
+
+
+def test_adjacent_equal_spans_are_served_as_a_view_with_nothing_to_scatter_back():
+    batcher, value = batcher_at("model.model.layers.0.output"), flat()
+    with torch.no_grad():
+        served = batcher.narrow(value, R1_R2_DECODE)
+    assert served.shape == (2, 1, 4) and torch.equal(served[:, 0], value[0, 5:7])
+    assert served.data_ptr() == value[0, 5].data_ptr()  # no gather: a view of the flat tensor
+    served += 1  # lands in the flat batch at once
+    assert torch.equal(value[0, 5:7], flat()[0, 5:7] + 1) and torch.equal(value[0, :5], flat()[0, :5])
+    batcher.scatter_back(value, R1_R2_DECODE, served)  # nothing to write (and nothing written twice)
+    assert torch.equal(value[0, 5:7], flat()[0, 5:7] + 1)
+
+
+def test_spans_that_need_padding_or_autograd_are_still_gathered():
+    batcher, value = batcher_at("model.model.layers.0.output"), flat()
+    with torch.no_grad():
+        unequal = batcher.narrow(value, PackedGroup([(4, 1), (5, 4)], [(0, 1), (1, 1)], [0, 1]))
+    assert unequal.shape == (2, 4, 4) and unequal._base is None  # left-padded: a gathered copy
+    with torch.enable_grad():
+        tracked = batcher.narrow(value.clone().requires_grad_(), R1_R2_DECODE)
+    assert tracked._base is None  # a copy, which carries the read's gradient
+
+
+def test_adjacent_rows_are_served_as_a_view():
+    batcher = batcher_at("model.samples")
+    rows = torch.tensor([3, 4, 5])  # [B]
+    with torch.no_grad():
+        served = batcher.narrow(rows, R1_R2_DECODE)
+    assert served.tolist() == [4, 5] and served._base is rows
+    served[0] = 9
+    batcher.scatter_back(rows, R1_R2_DECODE, served)
+    assert rows.tolist() == [3, 9, 5]
+    assert batcher.narrow(rows, R0_R2)._base is None  # rows 0 and 2 are not adjacent: a copy
+
+
 def test_assignment_replaces_only_its_tokens_and_leaves_earlier_reads_intact():
     batcher, value = batcher_at("model.model.layers.0.output"), flat()
     before = batcher.narrow(value, R0)

@@ -96,11 +96,12 @@ def _is_open(connection: http.client.HTTPConnection) -> bool:
     sock = connection.sock
     if sock is None:
         return False
+    poller = select.poll()  # not select.select: a notebook's process can hold file descriptors past 1024
+    poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-    except (OSError, ValueError):
+        return not poller.poll(0)
+    except OSError:
         return False
-    return not readable
 
 
 def _detail(body: bytes, response: http.client.HTTPResponse) -> str:
