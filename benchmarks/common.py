@@ -98,7 +98,13 @@ def decode_step_bytes(config: LlamaConfig, itemsize: int, batch: int, context_le
 
 
 def interleaved_times(baseline, ours, reps: int) -> tuple[float, float]:
-    """Median seconds of `baseline()` and `ours()` over `reps` rounds, alternating which runs first.
+    """Median seconds of `baseline()` and `ours()` over `reps` rounds, alternating which runs first."""
+    base_times, our_times = interleaved_runs(baseline, ours, reps)
+    return sorted(base_times)[reps // 2], sorted(our_times)[reps // 2]
+
+
+def interleaved_runs(baseline, ours, reps: int) -> tuple[list[float], list[float]]:
+    """Seconds of each of `reps` rounds of `baseline()` and `ours()`, alternating which runs first.
 
     Interleaving in one process is what makes a ratio meaningful on a shared, noisy CPU: both
     sides see the same background load, where separate runs would not.
@@ -110,4 +116,4 @@ def interleaved_times(baseline, ours, reps: int) -> tuple[float, float]:
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
-    return sorted(base_times)[reps // 2], sorted(our_times)[reps // 2]
+    return base_times, our_times
