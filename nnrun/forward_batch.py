@@ -105,32 +105,62 @@ def decode_forward_batch(reqs: list[Request], req_to_token: torch.Tensor, page_s
     )
 
 
+def token_layout_plain(reqs: list[Request], prefix_lens: list[int], seq_lens: list[int],
+                       page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each new token's position, KV slot and request-table row (`[N]` each), from plain ints."""
+    spans = list(zip(reqs, prefix_lens, seq_lens))
+    positions = [pos for _, prefix, seq in spans for pos in range(prefix, seq)]
+    slots = [req.page_ids[pos // page_size] * page_size + pos % page_size
+             for req, prefix, seq in spans for pos in range(prefix, seq)]
+    rows = [req.req_pool_idx for req, prefix, seq in spans for _ in range(seq - prefix)]
+    return (torch.tensor(positions, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64),
+            torch.tensor(rows, dtype=torch.int64))
+
+
+def token_layout_tensor(reqs: list[Request], prefix_lens: list[int], seq_lens: list[int],
+                        page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As `token_layout_plain`, in whole-batch tensor ops (a large step)."""
+    q_lens = [seq - prefix for seq, prefix in zip(seq_lens, prefix_lens)]
+    starts = list(itertools.accumulate(q_lens, initial=0))[:-1]
+    token_to_req = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(q_lens, dtype=torch.int64))  # [N]
+    offsets = torch.tensor([prefix - start for prefix, start in zip(prefix_lens, starts)], dtype=torch.int64)  # [B]
+    positions = torch.arange(len(token_to_req)) + offsets[token_to_req]  # [N]
+    max_pages = max((len(req.page_ids) for req in reqs), default=0)
+    page_table = torch.tensor([req.page_ids + [0] * (max_pages - len(req.page_ids)) for req in reqs],
+                              dtype=torch.int64).view(len(reqs), max_pages)  # [B, max_pages]
+    out_cache_loc = page_table[token_to_req, positions // page_size] * page_size + positions % page_size  # [N]
+    rows = torch.tensor([req.req_pool_idx for req in reqs], dtype=torch.int64)  # [B]
+    return positions, out_cache_loc, rows[token_to_req]
+
+
 def is_decode_step(reqs: list[Request]) -> bool:
     """Every request brings exactly one new token after a cached prefix."""
     return all(0 < req.num_computed_tokens == req.num_tokens - 1 for req in reqs)
+
+
+# Up to this many new tokens, a step's slots and positions are faster built from plain ints (a few
+# comprehensions, one tensor each) than by the whole-batch tensor ops, which cost about 0.15 ms
+# whatever the size: 3% of a one-prompt 8-token trace on a small model.
+PLAIN_LAYOUT_MAX_TOKENS = 128
 
 
 def packed_forward_batch(reqs: list[Request], mode: ForwardMode, req_to_token: torch.Tensor, page_size: int,
                          wants_prompt_logits: list[bool]) -> ForwardBatch:
     """Every uncached token of each request, flattened (the scheduler has allocated the pages).
 
-    Slots and positions of all tokens come from a few whole-batch tensor ops, whatever the number
-    of requests; the request table (`req_to_token`) records the new tokens' slots in place.
+    Slots and positions come from plain ints for a small step, else from a few whole-batch tensor
+    ops, whatever the number of requests; the request table (`req_to_token`) records the new
+    tokens' slots in place.
     """
     prefix_lens = [req.num_computed_tokens for req in reqs]
     seq_lens = [req.num_tokens for req in reqs]
     q_lens = [seq - prefix for seq, prefix in zip(seq_lens, prefix_lens)]
     starts = list(itertools.accumulate(q_lens, initial=0))
     num_tokens = starts.pop()
-    token_to_req = torch.repeat_interleave(torch.arange(len(reqs)), torch.tensor(q_lens, dtype=torch.int64))  # [N]
-    offsets = torch.tensor([prefix - start for prefix, start in zip(prefix_lens, starts)], dtype=torch.int64)  # [B]
-    positions = torch.arange(num_tokens) + offsets[token_to_req]  # [N]
-    max_pages = max((len(req.page_ids) for req in reqs), default=0)
-    page_table = torch.tensor([req.page_ids + [0] * (max_pages - len(req.page_ids)) for req in reqs],
-                              dtype=torch.int64).view(len(reqs), max_pages)  # [B, max_pages]
-    out_cache_loc = page_table[token_to_req, positions // page_size] * page_size + positions % page_size  # [N]
+    layout = token_layout_plain if num_tokens <= PLAIN_LAYOUT_MAX_TOKENS else token_layout_tensor
+    positions, out_cache_loc, token_rows = layout(reqs, prefix_lens, seq_lens, page_size)
+    req_to_token[token_rows, positions] = out_cache_loc
     rows = torch.tensor([req.req_pool_idx for req in reqs], dtype=torch.int64)  # [B]
-    req_to_token[rows[token_to_req], positions] = out_cache_loc
     kv_slot_table = req_to_token[rows, : max(seq_lens, default=0)]  # [B, max_seq_len] (a copy)
     input_ids, logits_indices, next_rows, prompt_rows = [], [], [], []
     for req, prefix, start, q_len, wants in zip(reqs, prefix_lens, starts, q_lens, wants_prompt_logits):
