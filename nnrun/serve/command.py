@@ -9,6 +9,7 @@ SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight fin
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -64,6 +65,18 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
     )
 
 
+def _freeze_startup_objects() -> None:
+    """Take everything loaded so far (torch, transformers, the model, the app) out of the collector's walks.
+
+    It all lives as long as the server. Left in the heap, each full collection walks it and stops
+    every request meanwhile: about 240 ms on tiny-facts, which made the p99 latency at 16 clients
+    300 ms against a 55 ms p50 (90 ms once frozen). The server's process is its own, so freezing
+    it is ours to do; an in-process `LanguageModel` leaves the user's heap alone.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
@@ -78,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     model = ServedLanguageModel(config.model, max_new_tokens=config.max_new_tokens, **config.engine_kwargs)
     app = create_app(config, model)
+    _freeze_startup_objects()
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=args.log_level,
         timeout_graceful_shutdown=config.drain_timeout_s,
