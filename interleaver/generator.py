@@ -79,7 +79,7 @@ def serve_step_tokens(invocations: list["Invocation"], forward_batch: ForwardBat
         if not _streams_to_generator(job):
             continue
         mediator = invocation.mediator
-        if not _is_waiting_for(mediator, STREAMER_OUTPUT):  # the visit only counts: no rows to build
+        if not mediator.is_waiting_for(STREAMER_OUTPUT):  # the visit only counts: no rows to build
             _count_visit(mediator, STREAMER_OUTPUT)
             continue
         if row_of is None:
@@ -96,7 +96,7 @@ def serve_generated_ids(invocation: "Invocation", make_ids: Callable[[], torch.T
     A block not waiting for them only has the visit counted, and gets `NOT_SERVED` back (no ids built).
     """
     mediator = invocation.mediator
-    if not _is_waiting_for(mediator, GENERATOR_OUTPUT):
+    if not mediator.is_waiting_for(GENERATOR_OUTPUT):
         _count_visit(mediator, GENERATOR_OUTPUT)
         return NOT_SERVED
     return _serve(mediator, GENERATOR_OUTPUT, make_ids())
@@ -128,12 +128,6 @@ def _serve(mediator: "PackedMediator", location: str, value: Any) -> Any:
         mediator.batch_group = group
     _count_visit(mediator, location)
     return value
-
-
-def _is_waiting_for(mediator: "PackedMediator", location: str) -> bool:
-    """Whether the block is parked on `location` (otherwise `handle` would hand the value straight back)."""
-    pending = mediator.pending
-    return pending is not None and pending.provider == location
 
 
 def _count_visit(mediator: "PackedMediator", location: str) -> None:

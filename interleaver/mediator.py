@@ -76,11 +76,16 @@ class PackedMediator(Mediator):
 
     edited_at: str | None = None
 
+    def is_waiting_for(self, provider: str) -> bool:
+        """Whether the block is parked on `provider` (otherwise a visit of it hands the value straight back)."""
+        pending = self.pending
+        return pending is not None and pending.provider == provider
+
     def handle(self, provider: str, value: Any) -> Any:
         """Serve this worker's events parked on this visit (the protocol of `Mediator.handle`)."""
-        pending = self.pending
-        if pending is None or pending.provider != provider:
+        if not self.is_waiting_for(provider):
             return value
+        pending = self.pending
         occurrence = self.occurrence(provider)
         batcher: PackedBatcher = self.interleaver.batcher
         group = self.batch_group

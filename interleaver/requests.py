@@ -274,7 +274,7 @@ class NNsightRequestHelper:
         generated: Any = NOT_SERVED  # the ids are built only for a block that reads them
         if job.kind == "generate" and mediator.alive:
             generated = serve_generated_ids(invocation, lambda: _generated_rows(invocation, padded_ids))
-        if mediator.alive and mediator.pending is not None and mediator.pending.provider == RESULT_LOCATION:
+        if mediator.alive and mediator.is_waiting_for(RESULT_LOCATION):
             if job.kind == "generate" and generated is NOT_SERVED:
                 generated = _generated_rows(invocation, padded_ids)
             try:

@@ -24,6 +24,17 @@ def server():
         process.stop()
 
 
+@pytest.fixture(scope="module")
+def remote(server):
+    """A serve client of the shared server; edits its module registered are cleared when it ends."""
+    import nnrun
+
+    model = nnrun.LanguageModel("tiny-facts", serve=server.url, api_key=API_KEY)
+    yield model
+    model.clear_edits()
+    model.shutdown()
+
+
 @pytest.fixture(scope="session")
 def local_model():
     """An in-process engine over the same model: the reference every served result is compared with."""

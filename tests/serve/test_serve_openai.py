@@ -23,14 +23,6 @@ def local(local_model):
 
 
 @pytest.fixture(scope="module")
-def remote(server):
-    model = nnrun.LanguageModel("tiny-facts", serve=server.url, api_key=API_KEY)
-    yield model
-    model.clear_edits()
-    model.shutdown()
-
-
-@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
 

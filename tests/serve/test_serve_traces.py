@@ -41,13 +41,6 @@ def reference(local_model):
     return get
 
 
-@pytest.fixture(scope="module")
-def remote(server):
-    model = nnrun.LanguageModel("tiny-facts", serve=server.url, api_key=API_KEY)
-    yield model
-    model.shutdown()
-
-
 def assert_same(got: dict, expected: dict, where: str) -> None:
     assert "error" not in got, f"{where} failed on the server: {got.get('error')}"
     assert got.keys() == expected.keys(), where

@@ -60,19 +60,7 @@ def shared_list(model) -> dict:
 
 
 def non_blocking(model) -> dict:
-    if is_remote(model):
-        tracers = []
-        for prompt in PROMPTS:
-            with model.trace(prompt, blocking=False) as tracer:
-                out = model.lm_head.output[:, -1].save()
-            tracers.append(tracer)
-        return {f"p{i}": tracer.collect()["out"] for i, tracer in enumerate(tracers)}
-    results = {}
-    for i, prompt in enumerate(PROMPTS):
-        with model.trace(prompt):
-            out = model.lm_head.output[:, -1].save()
-        results[f"p{i}"] = out
-    return results
+    return _last_logits_each(model, PROMPTS, "p")
 
 
 def patching(model) -> dict:
@@ -94,19 +82,23 @@ def attention(model) -> dict:
 
 
 def burst(model) -> dict:
-    prompts = [PROMPTS[i % 4] + " the" * (i % 3) for i in range(20)]
+    return _last_logits_each(model, [PROMPTS[i % 4] + " the" * (i % 3) for i in range(20)], "r")
+
+
+def _last_logits_each(model, prompts: list[str], key: str) -> dict:
+    """One trace per prompt saving its last logits: all sent at once to a server (`blocking=False`), then collected."""
     if is_remote(model):
         tracers = []
         for prompt in prompts:
             with model.trace(prompt, blocking=False) as tracer:
                 out = model.lm_head.output[:, -1].save()
             tracers.append(tracer)
-        return {f"r{i}": tracer.collect()["out"] for i, tracer in enumerate(tracers)}
+        return {f"{key}{i}": tracer.collect()["out"] for i, tracer in enumerate(tracers)}
     results = {}
     for i, prompt in enumerate(prompts):
         with model.trace(prompt):
             out = model.lm_head.output[:, -1].save()
-        results[f"r{i}"] = out
+        results[f"{key}{i}"] = out
     return results
 
 
