@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, HTTPException, Request
+from starlette.types import ASGIApp
 
 from nnrun.serve.config import ServeConfig
 from nnrun.serve.limits import Guard
@@ -84,8 +85,12 @@ class ServeState:
             self.model.shutdown()
 
 
-def create_app(config: ServeConfig, model: Any) -> FastAPI:
-    """The app over a loaded `ServedLanguageModel` (its engine shuts down with the app)."""
+def create_app(config: ServeConfig, model: Any) -> ASGIApp:
+    """The server's ASGI app over a loaded `ServedLanguageModel` (its engine shuts down with the app).
+
+    `Guard` (auth, the in-flight cap) wraps everything; the trace route (`TraceRoute`) is served
+    ahead of FastAPI, which has the rest: `/health`, registration, the OpenAI routes, the lifespan.
+    """
     from nnrun.serve import openai_routes, trace_route
 
     state = ServeState(config, model)
@@ -98,7 +103,6 @@ def create_app(config: ServeConfig, model: Any) -> FastAPI:
 
     app = FastAPI(title="nnrun serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.serve = state
-    app.add_middleware(Guard, api_key=config.api_key, max_in_flight=config.max_in_flight)
 
     @app.get("/health")
     async def health() -> dict:
@@ -107,4 +111,4 @@ def create_app(config: ServeConfig, model: Any) -> FastAPI:
 
     app.include_router(trace_route.router)
     app.include_router(openai_routes.router)
-    return app
+    return Guard(trace_route.TraceRoute(app, state), api_key=config.api_key, max_in_flight=config.max_in_flight)

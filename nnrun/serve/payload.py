@@ -8,10 +8,11 @@ as `Envoy:<path>`. Either way the block must end up reading the server's envoys 
 server's tracer, so after unpickling every envoy and the client's tracer found in the block's
 scope are swapped for the server's (`_Rebinder`).
 
-Each request compiles its block under a filename of its own. nnsight caches a block's source
-and parsed `with` nodes by filename and line (`SOURCES`, `BLOCKS`) and never re-reads them, so
-two clients' `client.py` would otherwise run each other's invokes. `ServerTrace.release` drops
-those cache entries when the request ends, so they do not pile up.
+A block is compiled under a filename of its own source: nnsight caches a block's source and
+parsed `with` nodes by filename and line (`SOURCES`, `BLOCKS`) and never re-reads them, so two
+clients' `client.py` holding different blocks would otherwise run each other's invokes. Traces
+of the same block (a client's loop) share one compiled block (`_BlockCache`): the server parses,
+compiles and walks it once, not per request, and nnsight's caches hit for its inner invokes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import io
 import itertools
 import linecache
 import threading
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -35,11 +37,7 @@ from interleaver.tracer import NNrunTracer
 # nnsight's `fn` for a trace (a bound `_call`, or the name of the call) and for a generation.
 _TRACE_FNS = {"trace", "_call", "__call__", "forward"}
 _GENERATE_FNS = {"generate"}
-_request_numbers = itertools.count(1)
-# CPython 3.11's AST-to-Python converter keeps its recursion-depth check in per-interpreter state, so
-# two worker threads in `ast.parse` at once can fail with "SystemError: AST constructor recursion depth
-# mismatch" (seen under a 20-trace burst). Parsing a block takes microseconds: one at a time.
-_parse_lock = threading.Lock()
+BLOCK_CACHE_SIZE = 256  # distinct blocks kept compiled while no request uses them
 
 
 class PayloadError(ValueError):
@@ -80,24 +78,86 @@ def _missing_envoy(path: str) -> Any:
     raise PayloadError(f"the trace uses module {path!r}, which the server's model does not have")
 
 
+class CompiledBlock:
+    """One distinct block (its client file, function and source), compiled under a filename of its own."""
+
+    def __init__(self, number: int, client_filename: str, co_name: str, source: str) -> None:
+        self.filename = f"{client_filename} [serve block {number}]"
+        self.client_filename = client_filename
+        linecache.cache[self.filename] = (len(source), None, source.splitlines(keepends=True), self.filename)
+        self.code = compile(source, self.filename, "exec").replace(co_name=co_name)
+        self.node = ast.parse(source)  # what `_asks_for_grad` walks (once: it keeps its answer on the node)
+        self.users = 0  # requests running it now
+
+    def forget(self) -> None:
+        """Drop its source and nnsight's parsed blocks for its filename."""
+        linecache.cache.pop(self.filename, None)
+        SOURCES.pop(self.filename, None)
+        for key in [key for key in list(BLOCKS) if key[0] == self.filename]:
+            BLOCKS.pop(key, None)
+
+
+class _BlockCache:
+    """The compiled blocks, least recently used dropped first, never while a request runs one.
+
+    One lock around everything, parsing included: CPython 3.11's AST-to-Python converter keeps
+    its recursion-depth check in per-interpreter state, so two threads in `ast.parse` at once can
+    fail with "SystemError: AST constructor recursion depth mismatch" (seen under a 20-trace burst).
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._blocks: OrderedDict[tuple[str, str, str], CompiledBlock] = OrderedDict()
+        self._numbers = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def acquire(self, client_filename: str, co_name: str, source: str) -> CompiledBlock:
+        key = (client_filename, co_name, source)
+        with self._lock:
+            block = self._blocks.get(key)
+            if block is None:
+                block = CompiledBlock(next(self._numbers), client_filename, co_name, source)
+                self._blocks[key] = block
+            self._blocks.move_to_end(key)
+            block.users += 1
+            self._evict()
+            return block
+
+    def release(self, block: CompiledBlock) -> None:
+        with self._lock:
+            block.users -= 1
+            self._evict()
+
+    def _evict(self) -> None:
+        idle = [key for key, block in self._blocks.items() if block.users == 0]
+        for key in idle[:max(0, len(self._blocks) - self.size)]:
+            self._blocks.pop(key).forget()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+BLOCKS_COMPILED = _BlockCache(BLOCK_CACHE_SIZE)
+
+
 class ServerTrace:
     """One request's trace, bound to the server's model and ready to `execute` on a worker thread."""
 
-    def __init__(self, tracer: NNrunTracer, filename: str, client_filename: str) -> None:
+    def __init__(self, tracer: NNrunTracer, block: CompiledBlock) -> None:
         self.tracer = tracer
-        self.filename = filename  # unique to this request
-        self.client_filename = client_filename
+        self.block = block
+        self.filename = block.filename
+        self.client_filename = block.client_filename
 
     @property
     def frame(self) -> SerializedFrame:
         return self.tracer.info.frame
 
     def release(self) -> None:
-        """Forget the block's source and parsed blocks (nnsight caches them by filename)."""
-        linecache.cache.pop(self.filename, None)
-        SOURCES.pop(self.filename, None)
-        for key in [key for key in list(BLOCKS) if key[0] == self.filename]:
-            BLOCKS.pop(key, None)
+        """This request is done with its block (kept compiled for the next trace of it)."""
+        if self.block is not None:
+            BLOCKS_COMPILED.release(self.block)
+            self.block = None
 
 
 def load_trace(blob: bytes, model: Any) -> ServerTrace:
@@ -116,19 +176,21 @@ def load_trace(blob: bytes, model: Any) -> ServerTrace:
     kwargs = dict(getattr(client_tracer, "kwargs", {}))
     tracer = NNrunTracer(model, kind, *args, **model.checked_kwargs(kind, kwargs))
 
-    client_frame = client_tracer.info.frame
-    filename = f"{client_frame.f_code.co_filename} [serve request {next(_request_numbers)}]"
-    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
-    code = compile(source, filename, "exec").replace(co_name=client_frame.f_code.co_name)
-    rebind = _Rebinder(model, {id(client_tracer): tracer})
-    frame = SerializedFrame(filename, client_frame.f_code.co_firstlineno, client_frame.f_code.co_name)
-    frame.f_globals = {name: rebind(value) for name, value in glbls.items()}
-    frame.f_globals.setdefault("__builtins__", __builtins__)
-    frame.f_locals = {name: rebind(value) for name, value in variables.items()}
-    tracer.info = Tracer.Info(frame, code)
-    with _parse_lock:
-        tracer.node = ast.parse(source)  # what `_asks_for_grad` walks; the mediators never re-serialize
-    return ServerTrace(tracer, filename, client_frame.f_code.co_filename)
+    client_code = client_tracer.info.frame.f_code
+    block = BLOCKS_COMPILED.acquire(client_code.co_filename, client_code.co_name, source)
+    trace = ServerTrace(tracer, block)
+    try:
+        rebind = _Rebinder(model, {id(client_tracer): tracer})
+        frame = SerializedFrame(block.filename, client_code.co_firstlineno, client_code.co_name)
+        frame.f_globals = {name: rebind(value) for name, value in glbls.items()}
+        frame.f_globals.setdefault("__builtins__", __builtins__)
+        frame.f_locals = {name: rebind(value) for name, value in variables.items()}
+    except BaseException:
+        trace.release()
+        raise
+    tracer.info = Tracer.Info(frame, block.code)
+    tracer.node = block.node  # read, never changed: `_asks_for_grad` and a mediator's serialization
+    return trace
 
 
 def load_block(scope: dict, model: Any, tracer: Any) -> dict:

@@ -15,6 +15,8 @@ import logging
 from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request, Response
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 from nnsight.tracing.tracer import _saves, dec, inc
 
 from nnrun.serve.engine_model import RequestLimits, ServedLanguageModel
@@ -64,14 +66,38 @@ def _execute(model: ServedLanguageModel, trace: ServerTrace, limits: RequestLimi
     return saves
 
 
-async def generate(request: Request) -> Response:
-    """Run a serialized nnsight trace; `torch.save({"saves", "error", "registered"})` back.
+GENERATE_PATH = "/v1/nnsight/generate"
 
-    A plain Starlette route (`add_route` below), not a FastAPI one: it takes the raw request and
-    needs no parameter parsing, and on a server holding one GIL for every client the dependency
-    machinery is CPU taken from the engine.
+
+class TraceRoute:
+    """ASGI: `POST /v1/nnsight/generate` served here, every other request passed on to `app` (FastAPI).
+
+    Every notebook's trace takes this route, so it skips FastAPI's middleware stack and router:
+    on a server whose clients all share one GIL, those layers cost a third of the event loop's
+    time per trace, CPU the engine does not get. `Guard` (auth, the in-flight cap) still wraps it.
     """
-    state = request.app.state.serve
+
+    def __init__(self, app: ASGIApp, state: Any) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != GENERATE_PATH:
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] != "POST":
+            response: Response = JSONResponse({"detail": "Method Not Allowed"}, status_code=405,
+                                              headers={"Allow": "POST"})
+        else:
+            try:
+                response = await generate(self.state, Request(scope, receive))
+            except HTTPException as error:
+                response = JSONResponse({"detail": error.detail}, status_code=error.status_code, headers=error.headers)
+        await response(scope, receive, send)
+
+
+async def generate(state: Any, request: Request) -> Response:
+    """Run a serialized nnsight trace; `torch.save({"saves", "error", "registered"})` back."""
     model = state.ready_model()
     blob = await read_body(request, state.config.max_body_bytes)
     edits = request.query_params.getlist("edits") or None
@@ -80,9 +106,6 @@ async def generate(request: Request) -> Response:
     work = asyncio.get_running_loop().run_in_executor(state.executor, run_trace, model, blob, limits, raw_tensors)
     body = await state.wait_or_cancel(request, work, limits.cancelled)
     return Response(content=body, media_type="application/octet-stream")
-
-
-router.add_route("/v1/nnsight/generate", generate, methods=["POST"])
 
 
 @router.post("/v1/nnsight/register/{registration_id}")

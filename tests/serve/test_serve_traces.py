@@ -129,6 +129,9 @@ def test_request_body_limit(server):
     response = httpx.post(f"{server.url}/v1/nnsight/generate", content=too_big,
                           headers={"ndif-api-key": API_KEY}, timeout=30)
     assert response.status_code == 413
+    assert "over this server's limit of 1048576 bytes" in response.json()["detail"]
+    wrong_method = httpx.get(f"{server.url}/v1/nnsight/generate", headers={"ndif-api-key": API_KEY}, timeout=10)
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
 
 
 def test_a_client_that_disconnects_frees_its_requests(server, clients, tmp_path):
