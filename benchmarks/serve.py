@@ -8,8 +8,10 @@ run the same traces: total resident memory (one copy of the weights vs N) and th
 side. Clients start timing only once all of them have imported and connected (a start file).
 Prints traces/s, latency percentiles and the ratios, and the CPU time each trace cost in each
 process (server, clients, in-process engine): on a CPU with few cores the clients and the
-server compete for the same cores, and that line says where the time went. On a shared CPU only
-the ratios mean much.
+server compete for the same cores, and that line says where the time went. With --pin the
+server (and the in-process run) get CPU 0 and the clients the other CPUs, as notebooks on
+their own machines or cores would leave the server's core alone. On a shared CPU only the
+ratios mean much.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+ALL_CPUS = set(os.sched_getaffinity(0))
 PROMPTS = ["The Eiffel Tower is in", "The Colosseum is in", "The Louvre Museum is in", "The Trevi Fountain is in"]
 
 
@@ -91,6 +94,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def pin(pid: int, cpus: set[int] | None) -> None:
+    """Run every thread of process `pid` on `cpus` (None: leave it as it is)."""
+    if cpus is None:
+        return
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
+def cpu_sets(args: argparse.Namespace) -> tuple[set[int] | None, set[int] | None]:
+    """(the server's CPUs, the clients' CPUs) under --pin, else (None, None)."""
+    cpus = sorted(ALL_CPUS)
+    if not args.pin:
+        return None, None
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs at least two CPUs")
+    return {cpus[0]}, set(cpus[1:])
+
+
 def run_processes(target: str, num_clients: int, args: argparse.Namespace, workdir: Path) -> dict:
     """N client processes against `target` (a server URL, or "separate"); their traces/s, latencies, RSS."""
     start_file = workdir / f"start-{target.replace('/', '_')}-{num_clients}"
@@ -100,6 +121,8 @@ def run_processes(target: str, num_clients: int, args: argparse.Namespace, workd
                                "--traces", str(args.traces), "--out", str(out), "--start", str(start_file)],
                               cwd=REPO, env=env) for out in outs]
     try:
+        for proc in procs:
+            pin(proc.pid, cpu_sets(args)[1])
         deadline = time.monotonic() + args.timeout
         while not all(Path(str(out) + ".ready").exists() for out in outs):
             if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
@@ -136,8 +159,11 @@ def run_in_process(model, num_threads: int, args: argparse.Namespace) -> dict:
     began, cpu_began = time.perf_counter(), _self_cpu_s()
     for thread in threads:
         thread.start()
+    pin(os.getpid(), cpu_sets(args)[0])  # every thread of this process, the engine's included
     for thread in threads:
         thread.join()
+    if args.pin:
+        pin(os.getpid(), ALL_CPUS)  # back to every CPU: the next clients' set-up is not timed
     cpu_ms = (_self_cpu_s() - cpu_began) * 1000 / len(latencies)
     return summary(len(latencies), time.perf_counter() - began, sorted(latencies)) | {"cpu_ms": cpu_ms}
 
@@ -157,6 +183,7 @@ def main() -> None:
     parser.add_argument("--traces", type=int, default=50, help="traces per client")
     parser.add_argument("--separate", action="store_true", help="also N processes with their own nnsight+HF model")
     parser.add_argument("--client-threads", type=int, default=1, help="torch threads per client process")
+    parser.add_argument("--pin", action="store_true", help="server and in-process run on CPU 0, clients on the rest")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--client", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -177,6 +204,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, "-m", "nnrun.cli", "serve", args.model, "--port", str(port),
                                "--log-level", "warning", "--max-in-flight", str(4 * max(args.clients))], cwd=REPO)
+    pin(server.pid, cpu_sets(args)[0])  # before it starts its threads: they inherit it
     local = nnrun.LanguageModel(args.model)
     try:
         deadline = time.monotonic() + args.timeout

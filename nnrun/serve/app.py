@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException
 from starlette.types import ASGIApp
 
 from nnrun.serve.config import ServeConfig
@@ -67,8 +67,12 @@ class ServeState:
             raise HTTPException(status_code=503, detail="the engine is not serving (starting or shutting down)")
         return self.model
 
-    async def wait_or_cancel(self, request: Request, work: asyncio.Future, cancelled: Any) -> Any:
-        """Await a worker's result; if the client disconnects first, tell the worker to abort, then wait."""
+    async def wait_or_cancel(self, request: Any, work: asyncio.Future, cancelled: Any) -> Any:
+        """Await a worker's result; if the client disconnects first, tell the worker to abort, then wait.
+
+        `request`: what says whether the client went away (`is_disconnected()`), a Starlette request
+        or the trace route's `ClientWatch`.
+        """
         while True:
             done, _ = await asyncio.wait({work}, timeout=DISCONNECT_POLL_S)
             if done:

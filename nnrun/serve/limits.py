@@ -12,6 +12,7 @@ import hmac
 
 from fastapi import HTTPException, Request
 from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -73,13 +74,37 @@ async def _refuse(scope: Scope, receive: Receive, send: Send, status_code: int, 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
     """The request body, or 413 as soon as it passes `max_bytes` (whatever Content-Length claimed)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise HTTPException(status_code=413, detail=f"request body over this server's limit of {max_bytes} bytes")
+    _check_declared(request.headers.get("content-length"), max_bytes)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
-            raise HTTPException(status_code=413, detail=f"request body over this server's limit of {max_bytes} bytes")
+            raise _too_large(max_bytes)
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def read_asgi_body(receive: Receive, content_length: bytes | None, max_bytes: int) -> bytes:
+    """`read_body` from the ASGI messages themselves; `ClientDisconnect` if the client goes first."""
+    _check_declared(content_length.decode("latin-1") if content_length is not None else None, max_bytes)
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _check_declared(content_length: str | None, max_bytes: int) -> None:
+    if content_length is not None and content_length.isdigit() and int(content_length) > max_bytes:
+        raise _too_large(max_bytes)
+
+
+def _too_large(max_bytes: int) -> HTTPException:
+    return HTTPException(status_code=413, detail=f"request body over this server's limit of {max_bytes} bytes")
