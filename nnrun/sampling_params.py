@@ -86,7 +86,8 @@ def _int_field(name: str, value: object, *, minimum: int, maximum: int | None = 
     """`value` as a Python int in [minimum, maximum]; numpy integers count, bools and floats do not."""
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    # An exact int passes without the ABC check (bool is a subclass, never the exact type).
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         kind = "an int or None" if optional else "an int"
         raise ValueError(f"SamplingParams.{name} must be {kind}, got {type(value).__name__} {value!r}")
     value = int(value)
@@ -98,7 +99,8 @@ def _int_field(name: str, value: object, *, minimum: int, maximum: int | None = 
 
 def _float_field(name: str, value: object, low: float, high: float, *, is_low_open: bool = False) -> float:
     """`value` as a finite Python float in [low, high] ((low, high] when is_low_open); numpy numbers count."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    is_exact = type(value) is float or type(value) is int  # these pass without the ABC check
+    if not is_exact and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
         raise ValueError(f"SamplingParams.{name} must be a number, got {type(value).__name__} {value!r}")
     value = float(value)
     is_outside = value < low or value > high or (is_low_open and value == low)
