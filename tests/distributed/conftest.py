@@ -7,7 +7,6 @@ is shut down at the end (no raylet or worker outlives the session).
 
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,21 +26,6 @@ def ray_address():
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
-        ray.shutdown()
-
-
-@pytest.hookimpl(trylast=True)  # after pytest's own teardown of the module fixtures (engine actors)
-def pytest_runtest_teardown(item, nextitem):
-    """Shut the cluster down after this folder's last test: Ray's driver threads and handlers stay out of the rest.
-
-    (The session fixture's own `ray.shutdown()` at the end is then a no-op.) With Ray's driver
-    alive in the pytest process, a later nnsight trace hung in a garbage collection inside
-    nnsight's `skip_context` (a weakref callback spinning with the eval breaker set).
-    """
-    if nextitem is not None and Path(str(nextitem.path)).is_relative_to(Path(__file__).parent):
-        return
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
         ray.shutdown()
 
 
