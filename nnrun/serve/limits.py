@@ -74,19 +74,12 @@ async def _refuse(scope: Scope, receive: Receive, send: Send, status_code: int, 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
     """The request body, or 413 as soon as it passes `max_bytes` (whatever Content-Length claimed)."""
-    _check_declared(request.headers.get("content-length"), max_bytes)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(max_bytes)
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return await read_asgi_body(request.receive, request.headers.get("content-length"), max_bytes)
 
 
-async def read_asgi_body(receive: Receive, content_length: bytes | None, max_bytes: int) -> bytes:
+async def read_asgi_body(receive: Receive, content_length: str | None, max_bytes: int) -> bytes:
     """`read_body` from the ASGI messages themselves; `ClientDisconnect` if the client goes first."""
-    _check_declared(content_length.decode("latin-1") if content_length is not None else None, max_bytes)
+    _check_declared(content_length, max_bytes)
     chunks, size = [], 0
     while True:
         message = await receive()

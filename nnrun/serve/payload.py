@@ -129,6 +129,8 @@ class _BlockCache:
             self._evict()
 
     def _evict(self) -> None:
+        if len(self._blocks) <= self.size:
+            return  # the common case: no walk over every cached block per request
         idle = [key for key, block in self._blocks.items() if block.users == 0]
         for key in idle[:max(0, len(self._blocks) - self.size)]:
             self._blocks.pop(key).forget()

@@ -107,7 +107,9 @@ async def generate(state: Any, scope: Scope, receive: Receive) -> bytes:
     """Run a serialized nnsight trace; the answer's body (`wire.encode_result`)."""
     model = state.ready_model()
     headers = dict(scope["headers"])  # ASGI header names are lower-case bytes
-    blob = await read_asgi_body(receive, headers.get(b"content-length"), state.config.max_body_bytes)
+    content_length = headers.get(b"content-length")
+    blob = await read_asgi_body(receive, content_length.decode("latin-1") if content_length is not None else None,
+                                state.config.max_body_bytes)
     edits = parse_qs(scope["query_string"].decode("latin-1")).get("edits")
     limits = RequestLimits(state.config.request_timeout_s, state.config.block_timeout_s, edits=edits)
     raw_tensors = headers.get(RESULT_FORMAT_HEADER.encode()) == RAW_TENSORS.encode()
