@@ -176,6 +176,37 @@ def summary(count: int, seconds: float, latencies: list[float]) -> dict:
             "mean_ms": statistics.mean(latencies) * 1000}
 
 
+def one_round(url: str, server: subprocess.Popen, local, num_clients: int, args: argparse.Namespace,
+              workdir: Path) -> tuple[dict, dict]:
+    """N client processes against the server, then N threads in-process: (served, in-process) figures."""
+    server_cpu = cpu_s(server.pid)
+    served = run_processes(url, num_clients, args, workdir)
+    # The server's CPU over the whole run (the clients' warm-up trace included: one each).
+    served["server_cpu_ms"] = (cpu_s(server.pid) - server_cpu) * 1000 / (num_clients * (args.traces + 1))
+    served["server_rss_mb"] = rss_mb(server.pid)
+    return served, run_in_process(local, num_clients, args)
+
+
+def print_round(num_clients: int, served: dict, inproc: dict) -> None:
+    ratio = served["traces_per_s"] / inproc["traces_per_s"]
+    print(f"{num_clients:>3} clients | served {served['traces_per_s']:7.1f} traces/s p50 "
+          f"{served['p50_ms']:6.1f} ms p99 {served['p99_ms']:6.1f} ms | in-process (threads) "
+          f"{inproc['traces_per_s']:7.1f} traces/s p50 {inproc['p50_ms']:6.1f} ms p99 "
+          f"{inproc['p99_ms']:6.1f} ms | served/in-process {ratio:.2f}x")
+    print(f"{'':>3}         | CPU per trace: server {served['server_cpu_ms']:.1f} ms + client "
+          f"{served['client_cpu_ms']:.1f} ms vs in-process {inproc['cpu_ms']:.1f} ms "
+          f"({os.cpu_count()} cores here)", flush=True)
+
+
+def print_separate(num_clients: int, served: dict, separate: dict) -> None:
+    print(f"{'':>3}         | memory: server {served['server_rss_mb']:.0f} MB + clients "
+          f"{served['rss_mb']:.0f} MB = {served['server_rss_mb'] + served['rss_mb']:.0f} MB vs "
+          f"{num_clients} separate nnsight+HF processes {separate['rss_mb']:.0f} MB; separate "
+          f"{separate['traces_per_s']:.1f} traces/s p50 {separate['p50_ms']:.1f} ms p99 "
+          f"{separate['p99_ms']:.1f} ms ({separate['traces_per_s'] / served['traces_per_s']:.2f}x "
+          f"served), CPU per trace {separate['client_cpu_ms']:.1f} ms", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-facts")
@@ -183,6 +214,8 @@ def main() -> None:
     parser.add_argument("--traces", type=int, default=50, help="traces per client")
     parser.add_argument("--separate", action="store_true", help="also N processes with their own nnsight+HF model")
     parser.add_argument("--client-threads", type=int, default=1, help="torch threads per client process")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="served and in-process runs alternated this many times per N; the median ratio is printed")
     parser.add_argument("--pin", action="store_true", help="server and in-process run on CPU 0, clients on the rest")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--client", help=argparse.SUPPRESS)
@@ -223,28 +256,18 @@ def main() -> None:
               "each, one layer's last position saved")
         with tempfile.TemporaryDirectory() as workdir:
             for num_clients in args.clients:
-                server_cpu = cpu_s(server.pid)
-                served = run_processes(url, num_clients, args, Path(workdir))
-                # The server's CPU over the whole run (the clients' warm-up trace included: one each).
-                served["server_cpu_ms"] = (cpu_s(server.pid) - server_cpu) * 1000 / (num_clients * (args.traces + 1))
-                served["server_rss_mb"] = rss_mb(server.pid)
-                inproc = run_in_process(local, num_clients, args)
-                ratio = served["traces_per_s"] / inproc["traces_per_s"]
-                print(f"{num_clients:>3} clients | served {served['traces_per_s']:7.1f} traces/s p50 "
-                      f"{served['p50_ms']:6.1f} ms p99 {served['p99_ms']:6.1f} ms | in-process (threads) "
-                      f"{inproc['traces_per_s']:7.1f} traces/s p50 {inproc['p50_ms']:6.1f} ms p99 "
-                      f"{inproc['p99_ms']:6.1f} ms | served/in-process {ratio:.2f}x")
-                print(f"{'':>3}         | CPU per trace: server {served['server_cpu_ms']:.1f} ms + client "
-                      f"{served['client_cpu_ms']:.1f} ms vs in-process {inproc['cpu_ms']:.1f} ms "
-                      f"({os.cpu_count()} cores here)")
-                if args.separate:
-                    separate = run_processes("separate", num_clients, args, Path(workdir))
-                    print(f"{'':>3}         | memory: server {served['server_rss_mb']:.0f} MB + clients "
-                          f"{served['rss_mb']:.0f} MB = {served['server_rss_mb'] + served['rss_mb']:.0f} MB vs "
-                          f"{num_clients} separate nnsight+HF processes {separate['rss_mb']:.0f} MB; separate "
-                          f"{separate['traces_per_s']:.1f} traces/s p50 {separate['p50_ms']:.1f} ms p99 "
-                          f"{separate['p99_ms']:.1f} ms ({separate['traces_per_s'] / served['traces_per_s']:.2f}x "
-                          f"served), CPU per trace {separate['client_cpu_ms']:.1f} ms")
+                ratios = []
+                for round_index in range(args.rounds):
+                    round_dir = Path(workdir) / f"{num_clients}-{round_index}"  # its own start and ready files
+                    round_dir.mkdir()
+                    served, inproc = one_round(url, server, local, num_clients, args, round_dir)
+                    ratios.append(served["traces_per_s"] / inproc["traces_per_s"])
+                    print_round(num_clients, served, inproc)
+                    if args.separate:
+                        print_separate(num_clients, served, run_processes("separate", num_clients, args, round_dir))
+                if args.rounds > 1:
+                    print(f"{num_clients:>3} clients | served/in-process over {args.rounds} alternated rounds: median "
+                          f"{statistics.median(ratios):.2f}x (each: {', '.join(f'{r:.2f}' for r in ratios)})")
     finally:
         local.shutdown()
         server.terminate()

@@ -33,6 +33,7 @@ from interleaver.mediator import ServedValues
 from interleaver.keywords import _check_kwargs
 from nnrun.serve import wire
 from nnrun.serve.block_payload import serialize_trace
+from nnrun.serve.prompt_ids import PROMPT_IDS_ATTRIBUTE, TokenizerIdentity, encode_trace_prompts
 from nnrun.serve.transport import Connection
 
 MAX_BACKGROUND_TRACES = 16  # non-blocking traces one model sends at once (more wait their turn)
@@ -56,9 +57,16 @@ class RemoteLanguageModel(ServedValues, NNsight):
         object.__setattr__(self, "url", serve.rstrip("/"))
         object.__setattr__(self, "api_key", api_key)
         object.__setattr__(self, "tokenizer", tokenizer if tokenizer is not None else _tokenizer(path))
+        object.__setattr__(self, "_tokenizer_identity", TokenizerIdentity())
         object.__setattr__(self, "_http", Connection(self.url, api_key))
         object.__setattr__(self, "_background", None)
         object.__setattr__(self, "_background_lock", threading.Lock())
+
+    @property
+    def tokenizer_fingerprint(self) -> str | None:
+        """This tokenizer's fingerprint: a trace's text prompts are tokenized here and sent with it, and the
+        server takes the ids only if its own tokenizer's fingerprint is the same (`nnrun.serve.prompt_ids`)."""
+        return self._tokenizer_identity.fingerprint(self.tokenizer)
 
     # ---- tracing --------------------------------------------------------------------------
     def trace(self, *inputs: Any, blocking: bool = True, edits: list[str] | None = None,
@@ -144,13 +152,21 @@ class ServeBackend(Backend):
         if self.blocking:
             push_saves(tracer.info.frame, self.send(tracer))
             return
-        blob = serialize_trace(tracer)  # now: the frame's values as they are now
+        blob = self._payload(tracer)  # now: the frame's values as they are now
         self.frame = tracer.info.frame
         self.future = self.model._submit(self._exchange, blob)
 
     def send(self, tracer: Tracer) -> dict[str, Any]:
         """Run the trace on the server; its saves (its error raised here)."""
-        return self._exchange(serialize_trace(tracer))
+        return self._exchange(self._payload(tracer))
+
+    def _payload(self, tracer: Tracer) -> bytes:
+        """The trace serialized, with the ids of its text prompts (the server's CPU is everyone's)."""
+        model = self.model
+        encoded = encode_trace_prompts(model.tokenizer, model.tokenizer_fingerprint, tuple(getattr(tracer, "args", ())))
+        if encoded is not None:
+            tracer.__dict__[PROMPT_IDS_ATTRIBUTE] = encoded
+        return serialize_trace(tracer)
 
     def collect(self, timeout: float | None = None) -> dict[str, Any]:
         if self.future is None:

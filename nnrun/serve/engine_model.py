@@ -1,8 +1,9 @@
 """The server's model: nnrun's LanguageModel with per-request limits and registered edits.
 
 Traces arrive on worker threads (one per HTTP request in flight). Each worker runs its trace as
-a local nnrun trace would, through `NNrunTracer.execute`, inside `for_request(limits)`, which
-tells this model's `_run_job` how long the trace may take and whether its client went away.
+a local nnrun trace would, through `NNrunTracer.execute`, inside `for_request(limits, prompt_ids)`,
+which tells this model's `_run_job` how long the trace may take and whether its client went away,
+and `_tokenize` the ids the client computed for its text prompts (`prompt_ids`).
 Either ends the trace the way Ctrl-C ends a local one: its requests are aborted (their KV and
 mediators freed at the next step boundary) and a block still running is interrupted.
 """
@@ -22,6 +23,7 @@ from interleaver.requests import TraceJob
 from interleaver.tracer import NNrunTracer, PendingInvoke
 from nnrun.engine import RequestHandle
 from nnrun.sampling_params import SamplingParams
+from nnrun.serve.prompt_ids import TokenizerIdentity, checked_ids
 from nnrun.serve.registration import Registry, attach_registered, detach_registered
 from nnrun.serve.wire import accepted_kwargs
 
@@ -74,7 +76,9 @@ class ServedLanguageModel(LanguageModel):
         object.__setattr__(self, "registry", Registry())
         object.__setattr__(self, "_envoys", {envoy.path: envoy for envoy in self.modules()})
         self._envoys[self.path] = self
-        object.__setattr__(self, "_limits", threading.local())
+        object.__setattr__(self, "_request", threading.local())  # this thread's request: .limits, .prompt_ids
+        object.__setattr__(self, "_tokenizer_identity", TokenizerIdentity())
+        self.tokenizer_fingerprint  # computed now, not on the first request (a large vocabulary takes a while)
         # What a registered block's `tracer` becomes: `tracer.all()`/`iter` act on the running block.
         object.__setattr__(self, "edit_tracer", NNrunTracer(self, "generate"))
 
@@ -92,6 +96,11 @@ class ServedLanguageModel(LanguageModel):
             "edits_installed": len(self.registry.active()),
         }
 
+    @property
+    def tokenizer_fingerprint(self) -> str | None:
+        """What a client's tokenizer must match for the server to take its prompts' ids (`prompt_ids`)."""
+        return self._tokenizer_identity.fingerprint(self.tokenizer)
+
     def checked_kwargs(self, kind: str, kwargs: dict) -> dict:
         """A client's trace keywords, refused as a local trace refuses them."""
         kwargs = {name: value for name, value in kwargs.items() if name != "edits"}
@@ -99,13 +108,15 @@ class ServedLanguageModel(LanguageModel):
         return kwargs
 
     @contextmanager
-    def for_request(self, limits: RequestLimits) -> Iterator[RequestLimits]:
-        """Run this thread's next traces under `limits`."""
-        self._limits.current = limits
+    def for_request(self, limits: RequestLimits,
+                    prompt_ids: dict[str, list[int]] | None = None) -> Iterator[RequestLimits]:
+        """Run this thread's next traces under `limits`, with the client's ids for its text prompts."""
+        self._request.limits = limits
+        self._request.prompt_ids = prompt_ids
         try:
             yield limits
         finally:
-            self._limits.current = None
+            self._request.limits = self._request.prompt_ids = None
 
     def submit_completion(self, prompt: Any, params: SamplingParams) -> RequestHandle:
         """Queue a plain completion (an OpenAI route's); registered edits ride it as a generation trace."""
@@ -131,9 +142,18 @@ class ServedLanguageModel(LanguageModel):
                              f"{self.max_new_tokens_limit} new tokens per request")
         return params
 
+    def _tokenize(self, prompt: Any, where: str) -> list[int]:
+        """A text prompt's ids as the client computed them with this same tokenizer, else tokenized here."""
+        prompt_ids = getattr(self._request, "prompt_ids", None)
+        if prompt_ids and isinstance(prompt, str):
+            ids = checked_ids(prompt_ids.get(prompt), self.engine.vocab_size)
+            if ids is not None:
+                return list(ids)  # its own list: the engine's request keeps it
+        return super()._tokenize(prompt, where)
+
     def _build_job(self, kind: str, invokes: list[PendingInvoke], trace_kwargs: dict, needs_grad: bool) -> TraceJob:
         job = super()._build_job(kind, invokes, trace_kwargs, needs_grad)
-        limits = getattr(self._limits, "current", None)
+        limits = getattr(self._request, "limits", None)
         registrations = self.registry.active(limits.edits if limits is not None else None)
         if registrations:
             attach_registered(job, registrations)
@@ -141,7 +161,7 @@ class ServedLanguageModel(LanguageModel):
 
     def _run_job(self, job: TraceJob) -> None:
         """Run the trace; end it early if a limit passes or its client goes away."""
-        limits = getattr(self._limits, "current", None)
+        limits = getattr(self._request, "limits", None)
         if limits is None:
             super()._run_job(job)
             detach_registered(job)

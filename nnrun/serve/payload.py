@@ -33,6 +33,7 @@ from nnsight.tracing.tracer import Tracer
 from nnsight.tracing.util import SerializedFrame
 
 from interleaver.tracer import NNrunTracer
+from nnrun.serve.prompt_ids import PROMPT_IDS_ATTRIBUTE, accepted_prompt_ids
 
 # nnsight's `fn` for a trace (a bound `_call`, or the name of the call) and for a generation.
 _TRACE_FNS = {"trace", "_call", "__call__", "forward"}
@@ -143,11 +144,16 @@ BLOCKS_COMPILED = _BlockCache(BLOCK_CACHE_SIZE)
 
 
 class ServerTrace:
-    """One request's trace, bound to the server's model and ready to `execute` on a worker thread."""
+    """One request's trace, bound to the server's model and ready to `execute` on a worker thread.
 
-    def __init__(self, tracer: NNrunTracer, block: CompiledBlock) -> None:
+    `prompt_ids`: the client's ids for its text prompts, when its tokenizer is the server's (`prompt_ids`).
+    """
+
+    def __init__(self, tracer: NNrunTracer, block: CompiledBlock,
+                 prompt_ids: dict[str, list[int]] | None = None) -> None:
         self.tracer = tracer
         self.block = block
+        self.prompt_ids = prompt_ids
         self.filename = block.filename
         self.client_filename = block.client_filename
 
@@ -180,7 +186,8 @@ def load_trace(blob: bytes, model: Any) -> ServerTrace:
 
     client_code = client_tracer.info.frame.f_code
     block = BLOCKS_COMPILED.acquire(client_code.co_filename, client_code.co_name, source)
-    trace = ServerTrace(tracer, block)
+    shipped_ids = client_tracer.__dict__.get(PROMPT_IDS_ATTRIBUTE)
+    trace = ServerTrace(tracer, block, accepted_prompt_ids(shipped_ids, model.tokenizer_fingerprint))
     try:
         rebind = _Rebinder(model, {id(client_tracer): tracer})
         frame = SerializedFrame(block.filename, client_code.co_firstlineno, client_code.co_name)

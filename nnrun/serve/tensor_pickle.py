@@ -40,15 +40,28 @@ class _RawTensorPickler(pickle.Pickler):
     def reducer_override(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return NotImplemented
-        if (type(value) is not torch.Tensor or value.layout != torch.strided or value.device.type != "cpu"
-                or value.requires_grad or value.is_conj() or value.is_neg()):
+        if type(value) is not torch.Tensor or value.layout != torch.strided or not value.is_cpu or value.requires_grad:
             raise _NotRaw
         storage = value.untyped_storage().data_ptr()
         if storage in self.storages and value.numel():
             raise _NotRaw  # shared with another saved tensor: torch.save keeps them shared
         self.storages.add(storage)
-        data = value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        return _tensor_from_bytes, (data, value.dtype, tuple(value.shape))
+        return _tensor_from_bytes, (_raw_bytes(value), value.dtype, tuple(value.shape))
+
+
+def _raw_bytes(tensor: torch.Tensor) -> bytes:
+    """The tensor's elements in row-major order, as bytes.
+
+    Through numpy where it can (a view, whatever the strides): on a server whose worker threads
+    share the GIL with the engine thread, every torch op releases and retakes the GIL, and under
+    contention each of those is a wait behind the engine's forward.
+    """
+    try:
+        return tensor.numpy().tobytes()  # numpy() refuses a tensor with its conjugate or negative bit set
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16, float8), or one of those bits
+        if tensor.is_conj() or tensor.is_neg():
+            raise _NotRaw from None
+        return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def dumps(payload: Any) -> bytes | None:

@@ -59,7 +59,7 @@ def _execute(model: ServedLanguageModel, trace: ServerTrace, limits: RequestLimi
     frame = trace.frame
     inc()  # what Tracer.__exit__ does around a local trace: `.save()` in the trace body needs it
     try:
-        with model.for_request(limits):
+        with model.for_request(limits, trace.prompt_ids):
             trace.tracer.execute(trace.tracer.info.code)
     finally:
         saved = _saves()

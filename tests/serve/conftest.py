@@ -64,3 +64,47 @@ def clients():
     finally:
         for client in started:
             client.kill()
+
+
+@pytest.fixture(scope="module")
+def served():
+    """The server's model, in this process: payloads are run on it by `run_trace`, without HTTP."""
+    import warnings
+
+    from nnrun.serve.engine_model import ServedLanguageModel
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = ServedLanguageModel("tiny-facts", max_new_tokens=8)
+    yield model
+    model.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client():
+    """A serve client whose server is never contacted: `payloads` answers its posts."""
+    import warnings
+
+    import nnrun
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = nnrun.LanguageModel("tiny-facts", serve="http://127.0.0.1:9")  # never contacted
+    yield model
+    model.shutdown()
+
+
+@pytest.fixture
+def payloads(served, monkeypatch):
+    """The client's posts, answered by `run_trace` on `served` in this process; the bodies are kept."""
+    from nnrun.serve import trace_route, transport
+    from nnrun.serve.engine_model import RequestLimits
+
+    sent: list[bytes] = []
+
+    def post(self, path, content, params=None):
+        sent.append(content)
+        return trace_route.run_trace(served, content, RequestLimits(60, 10), raw_tensors=True)
+
+    monkeypatch.setattr(transport.Connection, "post", post)
+    return sent

@@ -10,50 +10,16 @@ from __future__ import annotations
 
 import linecache
 import textwrap
-import warnings
 
 import pytest
 import torch
 from nnsight.tracing.globals import BLOCKS, SOURCES
 
-from nnrun.serve import payload, trace_route, transport, wire
-from nnrun.serve.engine_model import RequestLimits, ServedLanguageModel
+from nnrun.serve import payload, trace_route, wire
+from nnrun.serve.engine_model import RequestLimits
 
 PROMPTS = ["The Eiffel Tower is in", "The Colosseum is in"]
 CLIENT_FILE = "notebook_cell.py"  # both clients' blocks claim this file and these lines
-
-
-@pytest.fixture(scope="module")
-def served():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = ServedLanguageModel("tiny-facts", max_new_tokens=8)
-    yield model
-    model.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client():
-    import nnrun
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = nnrun.LanguageModel("tiny-facts", serve="http://127.0.0.1:9")  # never contacted
-    yield model
-    model.shutdown()
-
-
-@pytest.fixture
-def payloads(served, monkeypatch):
-    """The client's posts, answered by `run_trace` on `served` in this process; the bodies are kept."""
-    sent: list[bytes] = []
-
-    def post(self, path, content, params=None):
-        sent.append(content)
-        return trace_route.run_trace(served, content, RequestLimits(60, 10), raw_tensors=True)
-
-    monkeypatch.setattr(transport.Connection, "post", post)
-    return sent
 
 
 def _run(served, blob: bytes) -> dict:

@@ -31,7 +31,10 @@ def _torch_round_trip(payload):
     torch.randn(3, dtype=torch.complex64),
     torch.tensor(2.5, dtype=torch.float16),  # 0-dim
     torch.zeros(0, 3),
-], ids=["f32", "bf16-transposed", "view", "int64", "bool", "complex", "0-dim", "empty"])
+    torch.randn(4, 6).t(),  # non-contiguous, through numpy's strides
+    torch.randn(3, 1).expand(3, 4),  # a zero stride: every row travels
+], ids=["f32", "bf16-transposed", "view", "int64", "bool", "complex", "0-dim", "empty", "f32-transposed",
+        "expanded"])
 def test_raw_tensor_answers_equal_torch_save_ones(value):
     saves = {"hidden": value, "nested": [value * 2, {"x": value.clone()}], "n": 3}
     body = wire.encode_result(saves, None, [{"steer": {"h": value + 1}}], raw_tensors=True)
@@ -56,6 +59,8 @@ def test_what_raw_bytes_would_not_carry_goes_through_torch_save():
         "a tensor and a view of it": {"h": base, "last": base[:, -1]},
         "a tensor that requires grad": {"h": torch.randn(3, requires_grad=True)},
         "a Parameter": {"p": torch.nn.Parameter(torch.randn(2))},
+        "a conjugate view": {"c": torch.randn(3, dtype=torch.complex64).conj()},
+        "a negative view": {"n": torch.randn(3, dtype=torch.complex64).conj().imag},
     }
     for name, saves in cases.items():
         body = wire.encode_result(saves, None, raw_tensors=True)
@@ -66,6 +71,10 @@ def test_what_raw_bytes_would_not_carry_goes_through_torch_save():
     assert shared["last"][0] == 100.0  # still one storage, as torch.save keeps it
     grad = wire.decode_result(wire.encode_result(cases["a tensor that requires grad"], None, raw_tensors=True))
     assert grad["saves"]["h"].requires_grad
+    for name in ("a conjugate view", "a negative view"):  # their values, not their storages' raw bytes
+        (key, value), = cases[name].items()
+        got = wire.decode_result(wire.encode_result(cases[name], None, raw_tensors=True))["saves"][key]
+        assert torch.equal(got.resolve_conj().resolve_neg(), value.resolve_conj().resolve_neg()), name
 
 
 def test_nnsights_format_unless_asked():
