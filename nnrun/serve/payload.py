@@ -187,7 +187,9 @@ def load_trace(blob: bytes, model: Any) -> ServerTrace:
     client_code = client_tracer.info.frame.f_code
     block = BLOCKS_COMPILED.acquire(client_code.co_filename, client_code.co_name, source)
     shipped_ids = client_tracer.__dict__.get(PROMPT_IDS_ATTRIBUTE)
-    trace = ServerTrace(tracer, block, accepted_prompt_ids(shipped_ids, model.tokenizer_fingerprint))
+    # The fingerprint's state check only for a payload that carries ids (not nnsight's client's, say).
+    prompt_ids = accepted_prompt_ids(shipped_ids, model.tokenizer_fingerprint) if shipped_ids is not None else None
+    trace = ServerTrace(tracer, block, prompt_ids)
     try:
         rebind = _Rebinder(model, {id(client_tracer): tracer})
         frame = SerializedFrame(block.filename, client_code.co_firstlineno, client_code.co_name)
