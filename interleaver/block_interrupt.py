@@ -4,8 +4,15 @@ A block that loops (or just runs long) holds the engine thread, and with it ever
 its caller gives up (Ctrl-C while waiting on the trace), the request is aborted, but an abort is
 only seen between steps, which never come while the block runs. So the caller also raises
 `BlockCancelled` inside the block itself, with CPython's asynchronous exception on the engine
-thread. That exception lands at the next bytecode the thread runs; the bookkeeping here makes
-sure it can only land while that block is the one running, and is defused when the block parks.
+thread. That exception lands at the engine thread's next check for pending work (a function
+call, a loop's jump back); the bookkeeping here makes sure it is only sent while that block is
+the one running, and that one sent too late is taken, and dropped, as the block parks.
+
+An exception is never retracted with `PyThreadState_SetAsyncExc(thread, NULL)`: CPython 3.11
+clears the thread's exception but leaves the interpreter's "async exception pending" flag set,
+so every later check goes the slow way, and under a trace function (nnsight's `skip_context`
+sets one) a Python function's first instruction re-checks that flag forever: the process hangs
+in the next garbage collection that calls a weakref callback.
 """
 
 from __future__ import annotations
@@ -36,11 +43,18 @@ class RunningBlocks:
     def leave(self, mediator: Any) -> None:
         """The block parked, finished or raised: no interrupt may land after this (safe to call twice)."""
         with self._lock:
-            if self._stack and self._stack[-1] is mediator:
-                self._stack.pop()
-                if id(mediator) in self._interrupted:
-                    _set_async_exception(self._thread_id, None)  # one sent too late is cancelled
-                    self._interrupted.discard(id(mediator))
+            if not self._stack or self._stack[-1] is not mediator:
+                return
+            # Bookkeeping first, popping last: if the exception lands at one of these calls, the
+            # caller's handler calls leave() again, which finds the block still there, or gone.
+            sent = id(mediator) in self._interrupted
+            self._interrupted.discard(id(mediator))
+            self._stack.pop()
+        if sent:
+            try:
+                _check_pending()  # one sent but not yet landed (the block parked first) lands here
+            except BlockCancelled:
+                pass
 
     def interrupt(self, mediators: list[Any]) -> bool:
         """Raise BlockCancelled in the running block if it is one of `mediators`; True if it was."""
@@ -55,7 +69,10 @@ class RunningBlocks:
             return True
 
 
-def _set_async_exception(thread_id: int | None, exception_type: type[BaseException] | None) -> None:
+def _check_pending() -> None:
+    """Nothing: calling a Python function makes the interpreter check for a pending async exception."""
+
+
+def _set_async_exception(thread_id: int | None, exception_type: type[BaseException]) -> None:
     if thread_id is not None:
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id),
-                                                   ctypes.py_object(exception_type) if exception_type else None)
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exception_type))
