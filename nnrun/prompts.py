@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 
 def split_prompts(prompts: Any, where: str = "prompts") -> list[Any]:
@@ -99,13 +101,47 @@ def _encode(text: str, where: str, tokenizer: Any, vocab_size: int) -> list[int]
                          f"that cannot be encoded as UTF-8") from None
     if tokenizer is None:
         raise ValueError(f"{where} is text but the model has no tokenizer; pass token ids or tokenizer=")
-    token_ids = [int(token) for token in tokenizer(text)["input_ids"]]
+    token_ids = _text_token_ids(text, tokenizer)
     if not token_ids:
         raise ValueError(f"{where} {text!r:.60} tokenizes to no token ids")
     outside = [token for token in token_ids if not 0 <= token < vocab_size]
     if outside:  # a tokenizer with added tokens the model has no embedding rows for
         raise ValueError(f"{where} tokenizes to id {outside[0]}, outside the model's vocabulary [0, {vocab_size})")
     return token_ids
+
+
+def _text_token_ids(text: str, tokenizer: Any) -> list[int]:
+    """`tokenizer(text)["input_ids"]` as Python ints; an HF fast tokenizer's ids come straight from its backend.
+
+    For one string with default arguments, HF's `__call__` comes down to: the backend without
+    truncation or padding, its `encode_special_tokens` set to `split_special_tokens`, one encode
+    with special tokens, the too-long warning. When the backend is already in that state, the
+    same encode here gives the same ids without building two BatchEncodings. Anything else (a
+    tokenizer class that overrides a step, a backend left truncating) takes HF's own path, which
+    also resets the backend for the next call.
+    """
+    if _is_plain_fast_tokenizer(tokenizer):
+        backend = tokenizer._tokenizer
+        if (backend.truncation is None and backend.padding is None
+                and backend.encode_special_tokens == tokenizer.split_special_tokens):
+            # `encode`, not HF's one-item `encode_batch`: the same ids, without handing the GIL
+            # and the work to the tokenizer's thread pool (which the engine thread then contends with).
+            token_ids = backend.encode(text, add_special_tokens=True).ids
+            tokenizer._eventual_warn_about_too_long_sequence(token_ids, None, True)
+            return token_ids
+    return [int(token) for token in tokenizer(text)["input_ids"]]
+
+
+def _is_plain_fast_tokenizer(tokenizer: Any) -> bool:
+    """Whether `tokenizer(text)` runs HF's fast-tokenizer steps unchanged (no subclass overrides one)."""
+    cls = type(tokenizer)
+    return (isinstance(tokenizer, TokenizersBackend)
+            and cls.__call__ is PreTrainedTokenizerBase.__call__
+            and cls._get_padding_truncation_strategies is PreTrainedTokenizerBase._get_padding_truncation_strategies
+            and cls._encode_plus is TokenizersBackend._encode_plus
+            and cls.set_truncation_and_padding is TokenizersBackend.set_truncation_and_padding
+            and cls._convert_encoding is TokenizersBackend._convert_encoding
+            and not hasattr(cls, "_switch_to_input_mode"))  # translation tokenizers switch language modes
 
 
 def _array_to_list(array: torch.Tensor | np.ndarray, where: str) -> list[int]:
