@@ -101,7 +101,7 @@ def _encode(text: str, where: str, tokenizer: Any, vocab_size: int) -> list[int]
                          f"that cannot be encoded as UTF-8") from None
     if tokenizer is None:
         raise ValueError(f"{where} is text but the model has no tokenizer; pass token ids or tokenizer=")
-    token_ids = _text_token_ids(text, tokenizer)
+    token_ids = text_token_ids(text, tokenizer)
     if not token_ids:
         raise ValueError(f"{where} {text!r:.60} tokenizes to no token ids")
     outside = [token for token in token_ids if not 0 <= token < vocab_size]
@@ -110,7 +110,7 @@ def _encode(text: str, where: str, tokenizer: Any, vocab_size: int) -> list[int]
     return token_ids
 
 
-def _text_token_ids(text: str, tokenizer: Any) -> list[int]:
+def text_token_ids(text: str, tokenizer: Any) -> list[int]:
     """`tokenizer(text)["input_ids"]` as Python ints; an HF fast tokenizer's ids come straight from its backend.
 
     For one string with default arguments, HF's `__call__` comes down to: the backend without

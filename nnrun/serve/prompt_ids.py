@@ -20,6 +20,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from nnrun.prompts import text_token_ids
+
 PROMPT_IDS_ATTRIBUTE = "nnrun_prompt_ids"  # on the client's tracer, pickled with it: (fingerprint, {text: ids})
 # Per-process or per-load state that does not change what `tokenizer(text)` returns.
 _UNRELATED = {"name_or_path", "verbose", "_in_target_context_manager", "padding_side", "truncation_side"}
@@ -97,7 +99,7 @@ def encode_trace_prompts(tokenizer: Any, fingerprint: str | None, inputs: tuple)
         if not isinstance(text, str) or not text or text in encoded:
             continue
         try:
-            encoded[text] = [int(token) for token in tokenizer(text)["input_ids"]]
+            encoded[text] = text_token_ids(text, tokenizer)  # HF's ids, as the server would make them
         except Exception:  # the server tokenizes it, and says what is wrong with it
             continue
     return (fingerprint, encoded) if encoded else None
