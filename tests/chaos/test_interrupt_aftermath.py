@@ -96,7 +96,13 @@ def test_an_interrupt_sent_as_the_block_parks_lands_in_leave_and_nowhere_later()
 
         thread = threading.Thread(target=engine_thread)
         thread.start()
-        time.sleep(0.2)  # the engine thread is blocked on the lock, inside leave()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the engine thread waits on the lock, inside leave()
+            frame = sys._current_frames().get(thread.ident)
+            if frame is not None and frame.f_code.co_name == "leave":
+                break
+            time.sleep(0.01)
+        time.sleep(0.05)
         blocks._interrupted.add(id(mediator))
         block_interrupt._set_async_exception(blocks._thread_id, BlockCancelled)
         blocks._lock.release()
