@@ -14,6 +14,24 @@ import pytest
 from serve_helpers import API_KEY, Client, ServerProcess
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """This process computes the references with one torch thread, as the servers here run (`child_env`).
+
+    The tests compare a trace batched with other clients' on the server against the same trace
+    run alone here. With one thread a matmul sums every row the same way whatever the row count,
+    so the two agree to the bit. With two, some CPUs' sgemm splits the reduction differently by
+    row count (an AVX2 EPYC: 1.2e-5 on a logit of a 20-trace burst), which is the kernel's
+    rounding, not anything the server did to the request.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # before any engine thread here starts: a thread takes the count when it first runs an op
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def server():
     process = ServerProcess("--request-timeout", "60", "--block-timeout", "2", "--max-new-tokens", "64",
