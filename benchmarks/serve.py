@@ -8,7 +8,9 @@ run the same traces: total resident memory (one copy of the weights vs N) and th
 side. Clients start timing only once all of them have imported and connected (a start file).
 Prints traces/s, latency percentiles and the ratios, and the CPU time each trace cost in each
 process (server, clients, in-process engine): on a CPU with few cores the clients and the
-server compete for the same cores, and that line says where the time went. With --pin the
+server compete for the same cores, and that line says where the time went. It also prints how many
+requests shared an engine forward on each side (the server's counters from `/health`): a short
+trace's forward costs mostly its fixed part, so fewer requests per forward is less throughput. With --pin the
 server (and the in-process run) get CPU 0 and the clients the other CPUs, as notebooks on
 their own machines or cores would leave the server's core alone. On a shared CPU only the
 ratios mean much.
@@ -28,6 +30,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 ALL_CPUS = set(os.sched_getaffinity(0))
@@ -112,8 +115,18 @@ def cpu_sets(args: argparse.Namespace) -> tuple[set[int] | None, set[int] | None
     return {cpus[0]}, set(cpus[1:])
 
 
-def run_processes(target: str, num_clients: int, args: argparse.Namespace, workdir: Path) -> dict:
-    """N client processes against `target` (a server URL, or "separate"); their traces/s, latencies, RSS."""
+def requests_per_forward(before: dict, after: dict) -> float:
+    """How many requests shared an engine forward on average between two `step_counters` snapshots."""
+    forwards = after["forwards"] - before["forwards"]
+    return (after["batched_requests"] - before["batched_requests"]) / forwards if forwards else 0.0
+
+
+def run_processes(target: str, num_clients: int, args: argparse.Namespace, workdir: Path,
+                  counters: Callable[[], dict] | None = None) -> dict:
+    """N client processes against `target` (a server URL, or "separate"); their traces/s, latencies, RSS.
+
+    `counters`: the server's step counters, read when the timed traces start and when they end.
+    """
     start_file = workdir / f"start-{target.replace('/', '_')}-{num_clients}"
     outs = [workdir / f"out-{num_clients}-{i}-{abs(hash(target))}.json" for i in range(num_clients)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.client_threads))
@@ -129,11 +142,13 @@ def run_processes(target: str, num_clients: int, args: argparse.Namespace, workd
                 raise RuntimeError("client processes did not get ready")
             time.sleep(0.05)
         rss = sum(rss_mb(p.pid) for p in procs)
+        counted = counters() if counters else None
         began = time.time()
         start_file.touch()
         for proc in procs:
             proc.wait(timeout=args.timeout)
         results = [json.loads(out.read_text()) for out in outs]
+        batching = {"requests_per_forward": requests_per_forward(counted, counters())} if counters else {}
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -141,7 +156,7 @@ def run_processes(target: str, num_clients: int, args: argparse.Namespace, workd
     seconds = max(r["wall_start"] + r["end"] - r["start"] for r in results) - began
     latencies = sorted(x for r in results for x in r["latencies"])
     client_cpu_ms = sum(r["cpu_s"] for r in results) * 1000 / len(latencies)
-    return summary(len(latencies), seconds, latencies) | {"rss_mb": rss, "client_cpu_ms": client_cpu_ms}
+    return summary(len(latencies), seconds, latencies) | {"rss_mb": rss, "client_cpu_ms": client_cpu_ms} | batching
 
 
 def run_in_process(model, num_threads: int, args: argparse.Namespace) -> dict:
@@ -156,6 +171,7 @@ def run_in_process(model, num_threads: int, args: argparse.Namespace) -> dict:
                 latencies.append(time.perf_counter() - began)
 
     threads = [threading.Thread(target=work) for _ in range(num_threads)]
+    counted = model.engine.step_counters()
     began, cpu_began = time.perf_counter(), _self_cpu_s()
     for thread in threads:
         thread.start()
@@ -165,7 +181,8 @@ def run_in_process(model, num_threads: int, args: argparse.Namespace) -> dict:
     if args.pin:
         pin(os.getpid(), ALL_CPUS)  # back to every CPU: the next clients' set-up is not timed
     cpu_ms = (_self_cpu_s() - cpu_began) * 1000 / len(latencies)
-    return summary(len(latencies), time.perf_counter() - began, sorted(latencies)) | {"cpu_ms": cpu_ms}
+    return summary(len(latencies), time.perf_counter() - began, sorted(latencies)) | {
+        "cpu_ms": cpu_ms, "requests_per_forward": requests_per_forward(counted, model.engine.step_counters())}
 
 
 def summary(count: int, seconds: float, latencies: list[float]) -> dict:
@@ -179,8 +196,11 @@ def summary(count: int, seconds: float, latencies: list[float]) -> dict:
 def one_round(url: str, server: subprocess.Popen, local, num_clients: int, args: argparse.Namespace,
               workdir: Path) -> tuple[dict, dict]:
     """N client processes against the server, then N threads in-process: (served, in-process) figures."""
+    import httpx
+
     server_cpu = cpu_s(server.pid)
-    served = run_processes(url, num_clients, args, workdir)
+    served = run_processes(url, num_clients, args, workdir,
+                           counters=lambda: httpx.get(f"{url}/health", timeout=10).json())
     # The server's CPU over the whole run (the clients' warm-up trace included: one each).
     served["server_cpu_ms"] = (cpu_s(server.pid) - server_cpu) * 1000 / (num_clients * (args.traces + 1))
     served["server_rss_mb"] = rss_mb(server.pid)
@@ -195,7 +215,8 @@ def print_round(num_clients: int, served: dict, inproc: dict) -> None:
           f"{inproc['p99_ms']:6.1f} ms | served/in-process {ratio:.2f}x")
     print(f"{'':>3}         | CPU per trace: server {served['server_cpu_ms']:.1f} ms + client "
           f"{served['client_cpu_ms']:.1f} ms vs in-process {inproc['cpu_ms']:.1f} ms "
-          f"({os.cpu_count()} cores here)", flush=True)
+          f"({os.cpu_count()} cores here); requests per engine forward: served "
+          f"{served['requests_per_forward']:.1f} vs in-process {inproc['requests_per_forward']:.1f}", flush=True)
 
 
 def print_separate(num_clients: int, served: dict, separate: dict) -> None:

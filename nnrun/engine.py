@@ -169,6 +169,10 @@ class LLM:
         with self._wakeup:
             return len(self._handles)
 
+    def step_counters(self) -> dict[str, int]:
+        """Running totals of the engine's forwards (`StepCounters`): a snapshot, read without stopping it."""
+        return self.core.counters.snapshot()
+
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Hold the engine between steps: requests submitted meanwhile enter the same next step.

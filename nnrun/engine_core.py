@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -20,11 +21,29 @@ class StepFailedError(RuntimeError):
     """A step failed after this request's own code changed one of its values; the step ran again without it."""
 
 
+@dataclass
+class StepCounters:
+    """Running totals since the engine started, kept by its thread and read as a snapshot by anyone.
+
+    `batched_requests / forwards` is how many requests shared a forward on average: what decides
+    throughput when a forward's fixed cost dominates, as it does for short traces on CPU.
+    """
+
+    forwards: int = 0  # model forwards run (a step run again without a request to blame counts twice)
+    batched_requests: int = 0  # requests summed over those forwards
+    forwarded_tokens: int = 0  # new tokens summed over those forwards
+    finished_requests: int = 0  # requests ended, however they ended
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
 class EngineCore:
     """Drives the runner with the scheduler; knows nothing about threads or callers."""
 
     def __init__(self, runner: ModelRunner, eos_token_ids: set[int]) -> None:
         self.runner = runner
+        self.counters = StepCounters()
         self.stop_checker = StopChecker(eos_token_ids, runner.max_model_len, runner.tokenizer)
         self.scheduler = Scheduler(runner.config.scheduler, runner.allocator, runner.req_to_token_pool,
                                    self.stop_checker)
@@ -84,6 +103,10 @@ class EngineCore:
             forward_batch = self.runner.prepare_forward_batch_decode(reqs)
         else:
             forward_batch = self.runner.prepare_forward_batch_extend(reqs)
+        counters = self.counters
+        counters.forwards += 1
+        counters.batched_requests += len(reqs)
+        counters.forwarded_tokens += len(forward_batch.input_ids)
         logits_output = self.runner.forward(forward_batch)
         sampler_output = self.runner.sample(logits_output, forward_batch)
         for row, reason in sampler_output.row_errors.items():
@@ -109,6 +132,7 @@ class EngineCore:
     def _finish(self, finished: list[Request]) -> None:
         if not finished:
             return
+        self.counters.finished_requests += len(finished)
         # No detokenizing here: a finished request's text is made when someone reads it
         # (`StopChecker.final_text`), and most of a trace's requests are never read as text.
         try:

@@ -142,3 +142,18 @@ def test_min_tokens_masks_eos_like_hf_min_new_tokens():
         longer = llm.generate([prompt], nnrun.SamplingParams(max_tokens=10, min_tokens=8, temperature=0))[0].outputs[0]
     assert stops.token_ids == free and stops.finish_reason == "stop"
     assert longer.token_ids == held[: len(longer.token_ids)] and len(longer.token_ids) >= 8
+
+
+def test_step_counters_count_forwards_requests_and_tokens(llama_pair):
+    model, _ = llama_pair
+    prompts = random_prompts([3, 5], seed=4)
+    with nnrun.LLM(model) as llm:
+        assert llm.step_counters() == {"forwards": 0, "batched_requests": 0, "forwarded_tokens": 0,
+                                       "finished_requests": 0}
+        llm.generate(prompts, nnrun.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        # One prefill of both prompts (3 + 5 tokens), then two decode steps of one token each per prompt.
+        assert llm.step_counters() == {"forwards": 3, "batched_requests": 6, "forwarded_tokens": 8 + 2 + 2,
+                                       "finished_requests": 2}
+        llm.generate([prompts[0]], nnrun.SamplingParams(max_tokens=1, temperature=0))
+        assert llm.step_counters() == {"forwards": 4, "batched_requests": 7, "forwarded_tokens": 15,
+                                       "finished_requests": 3}

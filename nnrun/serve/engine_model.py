@@ -87,13 +87,14 @@ class ServedLanguageModel(LanguageModel):
         return self._envoys.get(path)
 
     def stats(self) -> dict[str, int]:
-        """What the engine holds now (read without stopping it: a snapshot, for monitoring and tests)."""
+        """What the engine holds now and its running totals (read without stopping it: a snapshot, for monitoring)."""
         runner = self.engine.runner
         return {
             "requests_in_flight": self.engine.num_requests_in_flight,
             "blocks_live": len(runner.nnsight_requests.live),
             "kv_pages_used": runner.allocator.num_pages - runner.allocator.num_free_pages,
             "edits_installed": len(self.registry.active()),
+            **self.engine.step_counters(),  # forwards, batched_requests, ...: how well traces share forwards
         }
 
     @property

@@ -146,3 +146,19 @@ def test_a_client_that_disconnects_frees_its_requests(server, clients, tmp_path)
         assert time.monotonic() < deadline, stats
         time.sleep(0.1)
     assert stats["blocks_live"] == 0 and stats["kv_pages_used"] == 0
+
+
+def test_health_counts_forwards_and_the_requests_that_shared_them(server):
+    model = nnrun.LanguageModel("tiny-facts", serve=server.url, api_key=API_KEY)
+    prompts = ["The Eiffel Tower is in", "The Colosseum is in"]
+    num_tokens = sum(len(model.tokenizer(prompt)["input_ids"]) for prompt in prompts)
+    counted = ("forwards", "batched_requests", "forwarded_tokens", "finished_requests")
+    before = httpx.get(f"{server.url}/health", timeout=10).json()
+    with model.trace() as tracer:
+        for prompt in prompts:
+            with tracer.invoke(prompt):
+                model.lm_head.output.save()
+    after = httpx.get(f"{server.url}/health", timeout=10).json()
+    # A trace's invokes are requests admitted together: one forward of both prompts.
+    assert {name: after[name] - before[name] for name in counted} == {
+        "forwards": 1, "batched_requests": 2, "forwarded_tokens": num_tokens, "finished_requests": 2}
