@@ -17,10 +17,10 @@ import torch
 from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer, twin
 from interleaver.vllm_params import vllm_engine_kwargs, vllm_sampling_params
 from nnrun import RequestOutput, SamplingParams
+from tolerance import assert_close_packed
 
 P1 = "the eiffel tower is in the city of"
 P2 = "big ben is in"
-ATOL = RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,7 @@ def models():
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != HF's {tuple(expected.shape)}"
-    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL)
+    assert_close_packed(actual, expected, msg="against nnsight's VLLM spelling on HF")
 
 
 # ---- constructor ----------------------------------------------------------------------------

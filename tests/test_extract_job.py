@@ -11,6 +11,7 @@ from model_zoo import make_model, make_twin, random_prompts
 import nnrun
 from nnrun.extract import InputError, SettingsMismatchError, ShardWriteError, extract, load_activations
 from nnrun.extract.hooks import ActivationCapture, resolve_modules
+from tolerance import assert_close_packed
 
 LENGTHS = [1, 7, 33, 2, 64, 12, 5, 90, 3, 18]  # mixed, so packing and slicing are exercised
 LLAMA_MODULES = ["model.embed_tokens", "model.layers.0", "model.layers.1.mlp", "model.layers.1.self_attn",
@@ -67,7 +68,7 @@ def test_values_equal_hf_forward(llama, tmp_path, positions):
             want = expected[module] if positions == "all" else expected[module][-1:]
             got = store[i][module]
             assert got.shape == want.shape, module
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{module} prompt {i}")
+            assert_close_packed(got, want, rel=1e-4, msg=f"{module} prompt {i}")
 
 
 def test_values_equal_hf_forward_gpt2(tmp_path):
@@ -81,7 +82,7 @@ def test_values_equal_hf_forward_gpt2(tmp_path):
     for i, prompt in enumerate(prompts):
         expected = hf_values(twin, prompt, modules)
         for module in modules:
-            torch.testing.assert_close(store[i][module], expected[module], rtol=1e-4, atol=1e-4)
+            assert_close_packed(store[i][module], expected[module], rel=1e-4)
 
 
 def test_text_prompts_dtype_and_summary(tiny_llm, tmp_path, capsys):
@@ -204,7 +205,7 @@ def test_long_prompts_error_or_truncate(llama, tmp_path):
     store = load_activations(tmp_path / "b")
     assert [store[i].num_tokens for i in range(3)] == [4, 8, 6]
     expected = hf_values(twin, prompts[1][:8], ["model.layers.0"])["model.layers.0"]
-    torch.testing.assert_close(store[1]["model.layers.0"], expected, rtol=1e-4, atol=1e-4)
+    assert_close_packed(store[1]["model.layers.0"], expected, rel=1e-4)
 
 
 def test_disk_full_keeps_the_complete_shards(llama, tmp_path, monkeypatch):
@@ -248,7 +249,7 @@ def test_forwards_stop_after_the_deepest_wanted_module(llama, tmp_path):
     store = load_activations(tmp_path)
     for i in (0, 4):
         expected = hf_values(twin, prompts[i], ["model.layers.0.mlp"])["model.layers.0.mlp"]
-        torch.testing.assert_close(store[i]["model.layers.0.mlp"], expected, rtol=1e-4, atol=1e-4)
+        assert_close_packed(store[i]["model.layers.0.mlp"], expected, rel=1e-4)
 
 
 def test_capture_ignores_forwards_on_other_threads():

@@ -21,6 +21,7 @@ from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.memory import KVPool, LayerKVShape
 from nnrun.model_probe import AttentionLayerInfo
 from nnrun.request import Request
+from tolerance import assert_close_packed
 
 TOL = 1e-4
 WORKSPACE_BYTES = 1 << 16  # the emulator never touches it; the real default is 128 MiB
@@ -94,7 +95,7 @@ def test_prefill_then_decode_matches_hf(fake, family):
         expected = torch.log_softmax(hf_logits(oracle, prompt), dim=-1)  # [T, V]
         got = [entry[token] for entry, token in zip(output.prompt_logprobs[1:], prompt[1:])]
         want = [expected[i, token].item() for i, token in enumerate(prompt[1:])]
-        assert torch.allclose(torch.tensor(got), torch.tensor(want), atol=TOL), family
+        assert_close_packed(torch.tensor(got), torch.tensor(want), rel=TOL, msg=family)
     assert_greedy_matches_hf(oracle, prompts, outputs)
     kinds = {type(call.wrapper).__name__ for call in fake.calls if call.kind == "run"}
     assert kinds == {"BatchPrefillWithPagedKVCacheWrapper", "BatchDecodeWithPagedKVCacheWrapper"}

@@ -10,6 +10,7 @@ from test_bundled_models import (
     FINAL_INDEX, PARIS_PROMPT, ROME_PROMPT, SUBJECT_FIRST_INDEX, SUBJECT_LAST_INDEX, answer_token_id,
     patched_last_logits, tiny_facts,  # noqa: F401  (tiny_facts is a fixture: plain HF model + tokenizer)
 )
+from tolerance import assert_close_packed
 
 CASES = [
     (0, SUBJECT_LAST_INDEX, "Rome"), (1, SUBJECT_LAST_INDEX, "Rome"), (2, FINAL_INDEX, "Rome"),
@@ -40,7 +41,7 @@ def test_patching_flip_equals_hf_hooks(nnrun_model, tiny_facts, layer_index, pos
     hf_model, tokenizer = tiny_facts
     expected = patched_last_logits(hf_model, tokenizer, layer_index, position)
     got = nnrun_patched_last_logits(nnrun_model, layer_index, position)
-    torch.testing.assert_close(got.float(), expected.float(), atol=1e-4, rtol=1e-4)
+    assert_close_packed(got, expected, rel=1e-4)
     assert got.argmax().item() == answer_token_id(tokenizer, f" {winner}")
 
 

@@ -13,6 +13,7 @@ from nnrun.attention.torch_backend import _extend_groups
 from nnrun import forward_batch
 from nnrun.forward_batch import ForwardMode
 from model_zoo import make_model, make_twin, random_prompts
+from tolerance import assert_close_packed
 
 GREEDY = nnrun.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
@@ -34,7 +35,7 @@ def test_a_step_runs_no_hf_mask_preparation_and_plain_calls_still_mask(monkeypat
         with torch.no_grad():
             ours = llm.model(ids, attention_mask=mask).logits[0, -1]
             expected = twin(ids, attention_mask=mask).logits[0, -1]
-        torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+        assert_close_packed(ours, expected)
 
 
 def test_decode_layout_equals_the_general_builder():
