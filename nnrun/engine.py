@@ -20,7 +20,7 @@ from nnrun.prompts import split_prompts, tokenize_prompt
 from nnrun.request import Request
 from nnrun.sampling_params import SamplingParams
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | dict  # a vLLM TextPrompt or TokensPrompt dict too
 logger = logging.getLogger(__name__)
 
 

@@ -1,9 +1,10 @@
 """Turn a user's prompt into validated token ids, for `LLM.generate` and `LanguageModel` traces alike.
 
 A prompt is a string, or one sequence of token ids: a list/tuple of integral scalars (Python
-ints, numpy integers, 0-d integer tensors), a 1-D integer tensor or a 1-D integer numpy array.
-Several prompts are a list of those, or a 2-D tensor/array (one prompt per row). Every bad
-prompt raises a ValueError that names it (`prompts[1]`) and the offending value.
+ints, numpy integers, 0-d integer tensors), a 1-D integer tensor or a 1-D integer numpy array,
+or one of vLLM's prompt dicts (`{"prompt": text}`, `{"prompt_token_ids": ids}`). Several prompts
+are a list of those, or a 2-D tensor/array (one prompt per row). Every bad prompt raises a
+ValueError that names it (`prompts[1]`) and the offending value.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 def split_prompts(prompts: Any, where: str = "prompts") -> list[Any]:
     """One entry per prompt: a string or a single token sequence is one, a 2-D tensor/array one per row."""
-    if isinstance(prompts, str):
+    if isinstance(prompts, str) or is_vllm_prompt(prompts):
         return [prompts]
     if isinstance(prompts, (torch.Tensor, np.ndarray)):
         if prompts.ndim == 1:
@@ -34,7 +35,7 @@ def split_prompts(prompts: Any, where: str = "prompts") -> list[Any]:
         # A sequence that starts with a scalar is one prompt of token ids; the token checks name a
         # bad element (a float, a bool) instead of calling it a prompt of its own.
         return [prompts] if prompts and _is_scalar(prompts[0]) else list(prompts)
-    raise ValueError(f"{where} must be a string, a sequence of token ids, or a list of those; "
+    raise ValueError(f"{where} must be a string, a sequence of token ids, a vLLM prompt dict, or a list of those; "
                      f"got {type(prompts).__name__} {prompts!r:.60}")
 
 
@@ -66,16 +67,58 @@ def unmasked_rows(encoding: Any) -> list[Any]:
 
 def tokenize_prompt(prompt: Any, where: str, tokenizer: Any, vocab_size: int) -> tuple[str | None, list[int]]:
     """(text or None, token ids) of one prompt; ValueError naming `where` when it cannot be used."""
+    if isinstance(prompt, dict):
+        return _tokenize_vllm_prompt(prompt, where, tokenizer, vocab_size)
     if isinstance(prompt, str):
         return prompt, _encode(prompt, where, tokenizer, vocab_size)
     if isinstance(prompt, (torch.Tensor, np.ndarray)):
         prompt = _array_to_list(prompt, where)
     elif not isinstance(prompt, (list, tuple)):
-        raise ValueError(f"{where} must be a string or a sequence of token ids, got {type(prompt).__name__} "
+        raise ValueError(f"{where} must be a string, a sequence of token ids or a vLLM prompt dict, "
+                         f"got {type(prompt).__name__} "
                          f"{prompt!r:.60}")
     if not prompt:
         raise ValueError(f"{where} has no token ids")
     return None, [_token_id(token, where, position, vocab_size) for position, token in enumerate(prompt)]
+
+
+# vLLM's TextPrompt / TokensPrompt keys. `cache_salt` only keeps vLLM's prefix cache from sharing
+# KV between users; nnrun shares no KV between requests, so it has nothing to do here.
+VLLM_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+VLLM_IGNORED_KEYS = frozenset({"cache_salt"})
+VLLM_MULTIMODAL_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids"})
+
+
+def is_vllm_prompt(value: Any) -> bool:
+    """Whether `value` is one of vLLM's prompt dicts (TextPrompt or TokensPrompt), not a tokenizer's output."""
+    return isinstance(value, dict) and ("prompt" in value or "prompt_token_ids" in value)
+
+
+def _tokenize_vllm_prompt(prompt: dict, where: str, tokenizer: Any, vocab_size: int) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a vLLM prompt dict: the ids when it has them, else its text tokenized."""
+    unknown = sorted(map(str, set(prompt) - VLLM_PROMPT_KEYS - VLLM_IGNORED_KEYS - VLLM_MULTIMODAL_KEYS))
+    if unknown:
+        raise ValueError(f"{where} has keys nnrun does not know: {', '.join(unknown)} (a vLLM prompt dict has "
+                         f"'prompt' (text) or 'prompt_token_ids')")
+    multimodal = sorted(key for key in VLLM_MULTIMODAL_KEYS if prompt.get(key))
+    if multimodal:
+        raise ValueError(f"{where} has {', '.join(multimodal)}: nnrun serves text-only language models")
+    if "prompt_token_ids" in prompt:
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"{where}['prompt'] must be the ids' text (a string), got {type(text).__name__}")
+        ids = prompt["prompt_token_ids"]
+        if isinstance(ids, str):
+            raise ValueError(f"{where}['prompt_token_ids'] must be token ids, got a string")
+        return text, tokenize_prompt(ids, f"{where}['prompt_token_ids']", tokenizer, vocab_size)[1]
+    if "prompt" not in prompt:
+        raise ValueError(f"{where} needs 'prompt' (text) or 'prompt_token_ids', got keys "
+                         f"{', '.join(map(str, prompt)) or 'none'}")
+    text = prompt["prompt"]
+    if not isinstance(text, str):
+        raise ValueError(f"{where}['prompt'] must be text, got {type(text).__name__} {text!r:.60}; "
+                         f"token ids go in 'prompt_token_ids'")
+    return text, _encode(text, f"{where}['prompt']", tokenizer, vocab_size)
 
 
 def _token_id(token: Any, where: str, position: int, vocab_size: int) -> int:

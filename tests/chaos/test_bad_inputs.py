@@ -107,9 +107,9 @@ def test_every_seed_torch_accepts_is_accepted(llm):
     (torch.tensor([3, VOCAB + 1]), r"prompts\[0\] token id 257 at position 1 is out of the vocabulary"),
     (torch.empty(0, dtype=torch.long), r"prompts\[0\] has no token ids"),
     ([torch.ones(1, 2, dtype=torch.long)], r"prompts\[0\] as a Tensor must be 1-D token ids, got shape \(1, 2\)"),
-    (7, r"prompts must be a string, a sequence of token ids, or a list of those; got int 7"),
-    ([[1, 2], 7], r"prompts\[1\] must be a string or a sequence of token ids, got int 7"),
-    ([b"bytes"], r"prompts\[0\] must be a string or a sequence of token ids, got bytes"),
+    (7, r"prompts must be a string, a sequence of token ids, a vLLM prompt dict, or a list of those; got int 7"),
+    ([[1, 2], 7], r"prompts\[1\] must be a string, a sequence of token ids or a vLLM prompt dict, got int 7"),
+    ([b"bytes"], r"prompts\[0\] must be a string, a sequence of token ids or a vLLM prompt dict, got bytes"),
 ])
 def test_bad_token_prompts_name_the_prompt_and_value(llm, prompts, match):
     with pytest.raises(ValueError, match=match):
