@@ -1,9 +1,9 @@
-# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+# Two commands set everything up on a fresh machine: `make demo` and `make test` (`make test-all` for every tier).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-all bench venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,7 +18,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m nnrun.demo
 
+# The fast tier: every test that needs no extra process (no server, Ray cluster, notebook or fresh interpreter).
 test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+# Everything, the fast tier included; CI runs this.
+test-all: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)

@@ -7,7 +7,26 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+TESTS = Path(__file__).parent
+sys.path.insert(0, str(TESTS))
+
+# Every test under these folders starts processes (servers, a Ray cluster, tensor-parallel ranks):
+# they belong to `make test-all`, not to the fast tier. Elsewhere a module says so itself with
+# `pytestmark = pytest.mark.slow`.
+SLOW_FOLDERS = ("serve", "distributed", "tp")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--stress", action="store_true",
+                     help="run the repeated scenarios (interpreter exits) at their full counts, not a few each")
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        folder = Path(item.path).relative_to(TESTS).parts[0] if Path(item.path).is_relative_to(TESTS) else ""
+        if folder in SLOW_FOLDERS:
+            item.add_marker(slow)
 
 
 @pytest.fixture(scope="session")

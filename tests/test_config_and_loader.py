@@ -75,6 +75,7 @@ def test_unknown_hub_id_offline_is_a_clear_error():
         nnrun.LLM("no-such-org/no-such-model")
 
 
+@pytest.mark.slow  # starts a fresh interpreter
 def test_hub_id_loads_from_the_local_hub_cache(checkpoint_dir, tmp_path):
     """A hub id resolves offline when the HF cache holds it (laid out as huggingface_hub does)."""
     snapshot = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / "0123abcd"

@@ -5,9 +5,12 @@ import sys
 import textwrap
 
 import nnrun
+
+import pytest
 from model_zoo import make_model
 
 
+@pytest.mark.slow  # starts a fresh interpreter
 def test_engine_runs_without_importing_nnsight():
     script = textwrap.dedent("""
         import sys

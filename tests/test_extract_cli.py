@@ -103,6 +103,7 @@ def test_cli_reports_bad_input_and_mismatched_rerun(tmp_path, capsys):
     assert "positions: stored 'all', now 'last'" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # starts a fresh interpreter
 def test_cli_sigkill_mid_job_then_resume_is_byte_identical(tmp_path):
     path = tmp_path / "p.txt"
     path.write_text("\n".join(_prompts(90, seed=2, max_words=20)) + "\n")

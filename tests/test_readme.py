@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -14,6 +16,7 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
+@pytest.mark.slow  # starts a fresh interpreter
 def test_quickstart_runs_and_predicts_paris():
     quickstart = python_blocks()[0]
     done = subprocess.run([sys.executable, "-c", quickstart], capture_output=True, text=True, timeout=300)

@@ -25,10 +25,11 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 PARALLEL = 2  # children at a time (CI machines have 2 cores)
+QUICK_RUNS = 4  # runs per scenario by default; `pytest --stress` runs each scenario's full count
 RUN_TIMEOUT_S = 60
 CRASH_MARKERS = ("terminate called", "Fatal Python error", "Segmentation fault", "core dumped")
 
-SCENARIOS = {
+SCENARIOS = {  # name: (runs under --stress, the exit code every run must have, the script)
     # Two engines (a LanguageModel and a plain LLM), neither shut down.
     "no_shutdown": (50, 3, """
         import sys
@@ -200,13 +201,20 @@ def _write_scenarios(directory: Path) -> dict[str, Path]:
     return paths
 
 
+def num_runs(scenario: str, stress: bool) -> int:
+    """How many forked runs of `scenario`: a few by default, its full count (the failure rates seen) under --stress."""
+    full = SCENARIOS[scenario][0]
+    return full if stress else min(full, QUICK_RUNS)
+
+
 @pytest.fixture(scope="module")
-def forked_runs(tmp_path_factory) -> tuple[dict[str, dict[str, int | str]], Path]:
+def forked_runs(tmp_path_factory, request) -> tuple[dict[str, dict[str, int | str]], Path]:
     """Every scenario's runs: {scenario: {run: exit code or "timeout"}}, and the folder of their logs."""
     directory = tmp_path_factory.mktemp("exit")
     scripts = _write_scenarios(directory)
     plan = directory / "plan.json"
-    plan.write_text(json.dumps({name: (str(scripts[name]), runs) for name, (runs, _, _) in SCENARIOS.items()}))
+    stress = request.config.getoption("--stress")
+    plan.write_text(json.dumps({name: (str(scripts[name]), num_runs(name, stress)) for name in SCENARIOS}))
     server = directory / "fork_server.py"
     server.write_text(FORK_SERVER)
     logs = directory / "logs"
@@ -216,18 +224,19 @@ def forked_runs(tmp_path_factory) -> tuple[dict[str, dict[str, int | str]], Path
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
-def test_every_run_exits_with_its_own_code(forked_runs, scenario):
+def test_every_run_exits_with_its_own_code(forked_runs, scenario, request):
     results, logs = forked_runs
-    num_runs, code, _ = SCENARIOS[scenario]
+    _, code, _ = SCENARIOS[scenario]
+    runs = num_runs(scenario, request.config.getoption("--stress"))
     codes = results[scenario]
-    assert len(codes) == num_runs
+    assert len(codes) == runs
     failures = {run: got for run, got in codes.items() if got != code}
     crashes = {run: marker for run in codes for marker in CRASH_MARKERS
                if marker in (logs / f"{scenario}-{run}.log").read_text(errors="replace")}
     example = next(iter(failures or crashes), None)
     detail = "" if example is None else (logs / f"{scenario}-{example}.log").read_text(errors="replace")[-2000:]
     assert not failures and not crashes, (
-        f"{scenario}: {len(failures)} of {num_runs} runs exited with another code than {code} {failures}, "
+        f"{scenario}: {len(failures)} of {runs} runs exited with another code than {code} {failures}, "
         f"{len(crashes)} logged a crash {crashes}; run {example}'s log ends with:\n{detail}"
     )
 

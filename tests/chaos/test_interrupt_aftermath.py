@@ -15,6 +15,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each case runs in a fresh interpreter
+
 REPO = Path(__file__).resolve().parents[2]
 BOUND_S = 120
 
