@@ -114,6 +114,23 @@ class DeviceConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How many processes share the model: `tensor_parallel_size` ranks, each with a shard of every layer."""
+
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout: float = 300.0  # seconds a step or a collective may take before the group is declared hung
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
+                or self.tensor_parallel_size <= 0:
+            raise ValueError(
+                f"ParallelConfig.tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if not self.tensor_parallel_timeout > 0:
+            raise ValueError(
+                f"ParallelConfig.tensor_parallel_timeout must be positive seconds, got {self.tensor_parallel_timeout!r}")
+
+
+@dataclass
 class EngineConfig:
     """Everything the engine needs, grouped by concern."""
 
@@ -121,12 +138,14 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, model: Any, tokenizer: Any = None, device: str = "cpu", dtype: Any = None,
                     **kwargs: Any) -> "EngineConfig":
         """Route flat `LLM(...)` keywords to the config that owns them; unknown names are an error."""
-        groups: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}, DeviceConfig: {}}
+        groups: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}, DeviceConfig: {},
+                                              ParallelConfig: {}}
         for name, value in kwargs.items():
             owner = next((c for c in groups if name in c.__dataclass_fields__ and c.__dataclass_fields__[name].init), None)
             if owner is None:
@@ -137,4 +156,5 @@ class EngineConfig:
             cache=CacheConfig(**groups[CacheConfig]),
             scheduler=SchedulerConfig(**groups[SchedulerConfig]),
             device=DeviceConfig(device=device, dtype=dtype, **groups[DeviceConfig]),
+            parallel=ParallelConfig(**groups[ParallelConfig]),
         )

@@ -83,6 +83,10 @@ class LLM:
     def __init__(self, model: Any, tokenizer: Any = None, device: str = "cpu", dtype: Any = None,
                  runner_cls: type[ModelRunner] = ModelRunner, **engine_kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model, tokenizer, device=device, dtype=dtype, **engine_kwargs)
+        if self.config.parallel.tensor_parallel_size > 1:  # the weights live on rank processes (nnrun.tp)
+            from nnrun.tp import tensor_parallel_runner_class
+
+            runner_cls = tensor_parallel_runner_class(runner_cls)
         self.runner = runner_cls(self.config)
         self.runner.initialize()
         self.model = self.runner.model

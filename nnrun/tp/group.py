@@ -1,0 +1,199 @@
+"""RankGroup: the front end's handle on its N rank processes: start, send a step, wait for logits, stop.
+
+Waiting is always bounded and always watches every rank: a rank that dies (its process
+sentinel fires), reports an error (its pipe becomes readable) or stays silent past the step
+timeout ends the whole group, and every later step raises the same `TensorParallelError`.
+The rendezvous store belongs to the front end, so no port outlives it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nnrun.config import EngineConfig
+from nnrun.tp import wire
+from nnrun.tp.worker import RankSpec, run_rank
+
+logger = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 1800.0  # loading a shard of a large checkpoint from a slow disk
+STOP_GRACE_S = 5.0  # a rank told to stop has this long before it is killed
+DEATH_GRACE_S = 0.5  # after an error, how long to look for the rank whose death caused it
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel group failed (a rank died, hung or raised); the engine cannot run steps any more."""
+
+
+class RankGroup:
+    """N rank processes on this machine, spawned and joined over torch.distributed."""
+
+    def __init__(self, config: EngineConfig, checkpoint: str) -> None:
+        parallel = config.parallel
+        self.world_size = parallel.tensor_parallel_size
+        self.step_timeout_s = parallel.tensor_parallel_timeout
+        self._error: TensorParallelError | None = None
+        self._lock = threading.RLock()  # stop() may come from another thread than the steps
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=self.step_timeout_s))
+        worker_config = dataclasses.replace(config, model=dataclasses.replace(config.model, tokenizer=None))
+        num_threads = max(1, torch.get_num_threads() // self.world_size)
+        context = mp.get_context("spawn")
+        self.conns: list[Connection] = []
+        self.processes: list = []
+        for rank in range(self.world_size):
+            ours, theirs = context.Pipe(duplex=True)
+            spec = RankSpec(rank, self.world_size, self._store.port, checkpoint, worker_config,
+                            self.step_timeout_s, num_threads)
+            process = context.Process(target=run_rank, args=(spec, theirs, os.getpid()), daemon=True,
+                                      name=f"nnrun-tp-rank{rank}")
+            process.start()
+            theirs.close()
+            self.conns.append(ours)
+            self.processes.append(process)
+        self._finalizer = weakref.finalize(self, _stop_processes, self.conns, self.processes)
+
+    # ---- start -------------------------------------------------------------------------------
+    def wait_ready(self) -> dict:
+        """Block until every rank has loaded its shard; returns rank 0's report (layers, pages, context)."""
+        reports: dict[int, dict] = {}
+        deadline = time.monotonic() + LOAD_TIMEOUT_S
+        while len(reports) < self.world_size:
+            pending = [rank for rank in range(self.world_size) if rank not in reports]
+            self._wait_any(pending, deadline, "loading its shard")
+            for rank in pending:
+                if self.conns[rank].poll():
+                    reports[rank] = self._receive_report(rank)
+        return reports[0]
+
+    def _receive_report(self, rank: int) -> dict:
+        message = self._recv(rank, "loading its shard")
+        if wire.message_kind(message) is wire.MessageKind.ERROR:
+            self._fail_with_report(message, "loading its shard")
+        return wire.decode_ready(message)
+
+    # ---- steps -------------------------------------------------------------------------------
+    def run_step(self, message: memoryview) -> torch.Tensor:
+        """Send one step to every rank; returns rank 0's logits `[R, V]` (on the CPU)."""
+        self.check_alive()
+        try:
+            for conn in self.conns:
+                conn.send_bytes(message)
+        except OSError:
+            self._fail(self._first_death("receiving a step") or TensorParallelError(
+                "a tensor-parallel rank closed its pipe before the step was sent"))
+        deadline = time.monotonic() + self.step_timeout_s
+        while True:
+            self._wait_any(list(range(self.world_size)), deadline, "running a step")
+            for rank in range(1, self.world_size):  # only rank 0 answers; another rank speaks only to report an error
+                if self.conns[rank].poll():
+                    self._fail_with_report(self._recv(rank, "running a step"), "running a step")
+            if self.conns[0].poll():
+                header = self._recv(0, "running a step")
+                if wire.message_kind(header) is wire.MessageKind.ERROR:
+                    self._fail_with_report(header, "running a step")
+                return wire.decode_logits(header, bytearray(self._recv(0, "sending its logits")))
+
+    def _recv(self, rank: int, doing: str) -> bytes:
+        try:
+            return self.conns[rank].recv_bytes()
+        except (EOFError, OSError):
+            self._fail(self._death_error(rank, doing))
+
+    def _wait_any(self, ranks: list[int], deadline: float, doing: str) -> None:
+        """Until one of `ranks` has something to read; a dead rank or the deadline ends the group."""
+        sentinels = {self.processes[rank].sentinel: rank for rank in range(self.world_size)}
+        remaining = deadline - time.monotonic()
+        ready = wait([self.conns[rank] for rank in ranks] + list(sentinels), max(0.0, remaining))
+        dead = [sentinels[s] for s in ready if s in sentinels]
+        if dead and not any(self.conns[rank].poll() for rank in ranks):
+            self._fail(self._death_error(dead[0], doing))
+        if not ready:
+            self._fail(TensorParallelError(
+                f"the tensor-parallel group gave no answer within {self.step_timeout_s:g} s while {doing} "
+                f"(tensor_parallel_timeout); a rank is hung. All {self.world_size} ranks were stopped"))
+
+    # ---- faults ------------------------------------------------------------------------------
+    def check_alive(self) -> None:
+        if self._error is not None:
+            raise TensorParallelError(f"the tensor-parallel group has stopped: {self._error}") from self._error
+
+    def _fail_with_report(self, message: bytes, doing: str) -> None:
+        rank, text = wire.decode_error(message)
+        died = self._first_death(doing, grace_s=DEATH_GRACE_S)  # a dead peer is the root cause, not its echo
+        if died is not None:
+            self._fail(died)
+        self._fail(TensorParallelError(f"tensor-parallel rank {rank} failed while {doing}:\n{text.rstrip()}"))
+
+    def _first_death(self, doing: str, grace_s: float = 0.0) -> TensorParallelError | None:
+        """A rank killed by a signal (not one that reported and left), looked for up to `grace_s`."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, process in enumerate(self.processes):
+                if process.exitcode is not None and process.exitcode < 0:
+                    return self._death_error(rank, doing)
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
+
+    def _death_error(self, rank: int, doing: str) -> TensorParallelError:
+        process = self.processes[rank]
+        process.join(DEATH_GRACE_S)
+        code = process.exitcode
+        if code is None:
+            how = "closed its pipe"
+        elif code < 0:
+            how = f"was killed by signal {signal.Signals(-code).name}"
+        else:
+            how = f"exited with code {code}"
+        return TensorParallelError(f"tensor-parallel rank {rank} (pid {process.pid}) {how} while {doing}; "
+                                   f"all {self.world_size} ranks were stopped")
+
+    def _fail(self, error: TensorParallelError) -> None:
+        """Stop every rank at once and remember why: this and every later step raise `error`."""
+        with self._lock:
+            if self._error is None:
+                self._error = error
+            for process in self.processes:  # the survivors may sit in a collective that waits for the dead
+                if process.is_alive():
+                    process.kill()
+        self.stop()
+        raise self._error
+
+    # ---- stop --------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Tell every rank to stop, kill the ones that do not, and close the rendezvous port (idempotent)."""
+        with self._lock:
+            self._finalizer()
+            self._store = None
+            if self._error is None:
+                self._error = TensorParallelError("the engine was shut down")
+
+
+def _stop_processes(conns: list[Connection], processes: list) -> None:
+    for conn in conns:
+        try:
+            conn.send_bytes(wire.encode_stop())
+        except OSError:
+            pass
+    deadline = time.monotonic() + STOP_GRACE_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.kill()  # SIGKILL also ends a stopped (SIGSTOP) or hung rank
+            process.join(STOP_GRACE_S)
+    for conn in conns:
+        conn.close()

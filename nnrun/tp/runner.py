@@ -1,0 +1,120 @@
+"""TensorParallelRunner: the front end's runner when the weights live on N rank processes.
+
+It keeps everything the scheduler and the caller see (the request table, the page allocator,
+the tokenizer, the model's module tree on the meta device, the sampler) and sends each step
+to the ranks, which hold the weights and the KV. One scheduler and one sampler decide for all
+ranks, so seeded sampling gives the same tokens as with one rank.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from nnrun.config import EngineConfig
+from nnrun.forward_batch import ForwardBatch
+from nnrun.loader import _load_tokenizer, _resolve_path, check_model_supported
+from nnrun.memory import ReqToTokenPool, TokenToKVPoolAllocator
+from nnrun.model_runner import LogitsProcessorOutput, ModelRunner
+from nnrun.tp import wire
+from nnrun.tp.group import RankGroup
+from nnrun.tp.plan import check_tensor_parallel_plan
+
+
+class TensorParallelRunner(ModelRunner):
+    """A `ModelRunner` whose forward runs on `tensor_parallel_size` rank processes."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.device = torch.device("cpu")  # the front end samples on the CPU; the ranks own the devices
+        self.group: RankGroup | None = None
+
+    def initialize(self) -> None:
+        self.load_model()
+        self.group = RankGroup(self.config, self.checkpoint)
+        try:
+            report = self.group.wait_ready()
+        except BaseException:
+            self.group.stop()
+            raise
+        self.layers = report["layers"]  # rank 0's: its own share of the heads
+        self.max_model_len = report["max_model_len"]
+        self._build_kv_cache(report["num_pages"])
+        self.attn_backend = None
+
+    def load_model(self) -> None:
+        """The module tree on the meta device (no weights), checked against transformers' TP plan."""
+        from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+        model_config = self.config.model
+        tp_size = self.config.parallel.tensor_parallel_size
+        _refuse_sources_without_checkpoint(model_config.model, model_config.load_format, tp_size)
+        self.checkpoint = _resolve_path(model_config.model)
+        self.model_name = model_config.model
+        hf_config = AutoConfig.from_pretrained(self.checkpoint, revision=model_config.revision,
+                                               trust_remote_code=model_config.trust_remote_code)
+        check_model_supported(hf_config)
+        self.dtype = self.config.device.torch_dtype
+        with torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(hf_config, dtype=self.dtype,
+                                                          trust_remote_code=model_config.trust_remote_code)
+        check_tensor_parallel_plan(self.model, tp_size)
+        if os.path.isfile(os.path.join(self.checkpoint, "generation_config.json")):
+            self.model.generation_config = GenerationConfig.from_pretrained(self.checkpoint)
+        self.tokenizer = _load_tokenizer(model_config.tokenizer, self.checkpoint, model_config)
+
+    def _build_kv_cache(self, num_pages: int) -> None:
+        """Only the bookkeeping: the pages themselves live on the ranks, one pool each for its heads."""
+        page_size = self.config.cache.page_size
+        self.kv_pool = None
+        self.allocator = TokenToKVPoolAllocator(num_pages, page_size)
+        self.max_total_tokens = num_pages * page_size
+        self.req_to_token_pool = ReqToTokenPool(
+            self.config.scheduler.max_num_seqs + 1, min(self.max_model_len, self.max_total_tokens)
+        )
+
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        logits = self.group.run_step(wire.encode_step(forward_batch, self.allocator.page_size))  # [R, V]
+        return self.process_logits(logits, forward_batch)
+
+    def run_model(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        return self.group.run_step(wire.encode_step(forward_batch, self.allocator.page_size))
+
+    def run_prefill_only(self, token_id_lists: list[list[int]]) -> ForwardBatch:
+        raise NotImplementedError(
+            "activation extraction (nnrun.extract, nnrun extract) is not served with tensor_parallel_size > 1 yet: "
+            "module hooks would run on the ranks, not here. Extract with tensor_parallel_size=1"
+        )
+
+    def shutdown(self) -> None:
+        """Stop every rank (called as the engine thread ends, or by `LLM.shutdown`)."""
+        super().shutdown()
+        if self.group is not None:
+            self.group.stop()
+
+
+def _refuse_sources_without_checkpoint(source: Any, load_format: str, tp_size: int) -> None:
+    """Each rank reads its own shard from the checkpoint: an in-memory model or dummy weights have none."""
+    if not isinstance(source, str):
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} loads each rank's shard from a checkpoint; got an in-memory "
+            f"{type(source).__name__}. Save it first (model.save_pretrained(folder)) and pass the folder"
+        )
+    if load_format != "auto":
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} with load_format={load_format!r} is not supported: each rank reads "
+            "its shard from a checkpoint. Save a randomly initialised model with save_pretrained and pass the folder"
+        )
+
+
+def tensor_parallel_runner_class(runner_cls: type[ModelRunner]) -> type[ModelRunner]:
+    """The runner for `tensor_parallel_size > 1`; refuses runners whose features the ranks do not serve yet."""
+    if runner_cls is not ModelRunner:
+        raise NotImplementedError(
+            f"tensor_parallel_size > 1 is served for nnrun.LLM (generation) only so far; {runner_cls.__name__} "
+            "(nnsight interventions through nnrun.LanguageModel / nnrun.VLLM, or nnrun serve) is not served on "
+            "tensor-parallel ranks yet. Use tensor_parallel_size=1 for traces"
+        )
+    return TensorParallelRunner

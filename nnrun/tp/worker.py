@@ -1,0 +1,149 @@
+"""One tensor-parallel rank: its shard of the model, its own KV pool, and a loop that runs the steps it is sent.
+
+Every rank runs the same forward over the same packed batch; transformers' plan does the
+collectives inside it (an all-reduce after each row-parallel projection, an all-gather of the
+logits). Only rank 0 answers the front end. A rank that fails reports its traceback and exits:
+the others then fail in their next collective, and the front end stops the whole group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from nnrun.attention import ATTN_IMPLEMENTATION
+from nnrun.config import EngineConfig
+from nnrun.loader import check_model_supported, max_context_len
+from nnrun.model_probe import probe_attention_layers
+from nnrun.model_runner import ModelRunner
+from nnrun.tp import wire
+
+PARENT_POLL_S = 0.5  # how often a rank checks that its front end is still alive
+
+
+@dataclasses.dataclass(frozen=True)
+class RankSpec:
+    """Everything a rank needs to join its group (picklable: it crosses the spawn)."""
+
+    rank: int
+    world_size: int
+    store_port: int
+    checkpoint: str  # a resolved checkpoint folder or hub id
+    config: EngineConfig  # the front end's config, without its tokenizer
+    timeout_s: float  # collectives and the rendezvous give up after this long
+    num_threads: int  # torch threads on a CPU rank
+
+
+class ShardRunner(ModelRunner):
+    """A `ModelRunner` over this rank's shard: loads through transformers' TP plan, agrees on the KV pool size."""
+
+    def initialize(self) -> None:
+        """The packed path on every rank, chosen by no per-rank probe (ranks must never take different paths)."""
+        self.load_model()
+        self.init_memory_pool()
+        self.init_attention_backend()
+
+    def load_model(self) -> None:
+        from transformers import AutoModelForCausalLM
+        from transformers.distributed import DistributedConfig
+
+        model_config = self.config.model
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.config.model.model, dtype=self.config.device.torch_dtype, revision=model_config.revision,
+            trust_remote_code=model_config.trust_remote_code,
+            distributed_config=DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size()),
+        ).eval()
+        check_model_supported(self.model.config)
+        self.tokenizer, self.model_name = None, str(model_config.model)
+        self.dtype = self.config.device.torch_dtype
+        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.layers = probe_attention_layers(self.model, self.device)  # this rank's heads
+        self._modules = list(self.model.modules())
+        model_len = max_context_len(self.model.config)
+        self.max_model_len = min(model_config.max_model_len or model_len, model_len)
+
+    def _build_kv_cache(self, num_pages: int) -> None:
+        """Every rank holds the same pages (the front end's allocator hands out one set): the smallest budget wins."""
+        agreed = torch.tensor([num_pages], dtype=torch.int64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        super()._build_kv_cache(int(agreed.item()))
+
+
+def run_rank(spec: RankSpec, conn: Connection, parent_pid: int) -> None:
+    """The rank process: join the group, load, report ready, then run steps until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the front end's to handle; it stops the ranks
+    _exit_when_orphaned(parent_pid)
+    try:
+        runner = _start(spec)
+        info = {"layers": runner.layers, "num_pages": runner.kv_pool.num_pages, "max_model_len": runner.max_model_len}
+        conn.send_bytes(wire.encode_ready(info if spec.rank == 0 else {}))
+        _serve_steps(runner, conn, spec.rank)
+    except BaseException:
+        _report(conn, spec.rank, traceback.format_exc())
+        os._exit(1)  # a collective may still be in flight on another thread of gloo: leave at once
+    _leave_group()
+
+
+def _start(spec: RankSpec) -> ShardRunner:
+    device = spec.config.device.device
+    if device.startswith("cuda"):
+        device = f"cuda:{spec.rank}"
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(spec.num_threads)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks share this machine: loopback only
+    store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=dist.PrefixStore("nnrun-tp", store),
+                            rank=spec.rank, world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))
+    device_config = dataclasses.replace(spec.config.device, device=device, enable_cuda_graphs=False)
+    device_config.torch_dtype = spec.config.device.torch_dtype
+    config = dataclasses.replace(spec.config, device=device_config)
+    config.model.model = spec.checkpoint
+    runner = ShardRunner(config)
+    runner.initialize()
+    return runner
+
+
+def _serve_steps(runner: ShardRunner, conn: Connection, rank: int) -> None:
+    page_size = runner.allocator.page_size
+    while True:
+        message = conn.recv_bytes()  # EOFError when the front end is gone: the rank exits
+        if wire.message_kind(message) is wire.MessageKind.STOP:
+            return
+        forward_batch = wire.decode_step(message, page_size)
+        logits = runner.run_model(forward_batch)  # [R, V], every rank
+        if rank == 0:
+            for part in wire.encode_logits(logits):
+                conn.send_bytes(part)
+
+
+def _report(conn: Connection, rank: int, text: str) -> None:
+    try:
+        conn.send_bytes(wire.encode_error(rank, text))
+    except OSError:
+        pass  # the front end is gone: nobody to tell
+
+
+def _leave_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """A rank never outlives its front end, even one killed outright (no pipe EOF reaches a rank inside a collective)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="nnrun-tp-parent-watch", daemon=True).start()
