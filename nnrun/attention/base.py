@@ -37,6 +37,8 @@ class AttentionBackend(ABC):
         scaling: float,
         sliding_window: int | None,
         softcap: float | None,
+        sinks: torch.Tensor | None = None,  # [Hq] one extra softmax logit per head, its probability dropped
+        chunk_size: int | None = None,  # chunked attention: a query sees only keys of its own chunk
     ) -> torch.Tensor:  # [N, Hq, Dv]
         ...
 

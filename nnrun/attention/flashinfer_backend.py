@@ -15,6 +15,7 @@ from nnrun.attention.base import AttentionBackend
 from nnrun.attention.flashinfer_plan import (
     PagedKVPlan, PlanGroup, group_layers, layer_to_group_index, pad_decode_plan, plan_forward_batch,
 )
+from nnrun.attention.selection import flashinfer_unplanned_features
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.memory import KVPool
 from nnrun.model_probe import AttentionLayerInfo
@@ -53,6 +54,9 @@ class FlashInferAttnBackend(AttentionBackend):
                              "use attention_backend='torch' for this dtype")
         if workspace_bytes <= 0:
             raise ValueError(f"workspace_bytes must be positive, got {workspace_bytes}")
+        unplanned = flashinfer_unplanned_features(layers)
+        if unplanned:
+            raise ValueError(f"the flashinfer attention backend cannot serve this model: {unplanned}")
         self.groups: list[PlanGroup] = group_layers(layers)
         self.layer_to_group = layer_to_group_index(self.groups, len(layers))
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)  # [bytes]
@@ -162,13 +166,16 @@ class FlashInferAttnBackend(AttentionBackend):
                     for wrapper, group in zip(self.graph_decode_wrappers[batch_size], self.groups)]
         self.metadata = _StepMetadata(out_cache_loc, ForwardMode.DECODE, wrappers)
 
-    def forward(self, layer_idx, q, k, v, scaling, sliding_window, softcap):
+    def forward(self, layer_idx, q, k, v, scaling, sliding_window, softcap, sinks=None, chunk_size=None):
         meta = self.metadata
         self.kv_pool.write(layer_idx, meta.out_cache_loc, k, v)
         if not meta.wrappers:
             return q.new_empty((0, q.shape[1], v.shape[-1]))  # [0, Hq, Dv]
         group_index = self.layer_to_group[layer_idx]
         self._check_layer_call(layer_idx, self.groups[group_index], scaling, sliding_window, softcap)
+        if sinks is not None or chunk_size is not None:
+            raise RuntimeError(f"layer {layer_idx} attends with attention sinks or chunks, which the load-time probe "
+                               "did not see and the flashinfer backend does not apply")
         kv_cache = (self.kv_pool.k_pages[layer_idx], self.kv_pool.v_pages[layer_idx])  # NHD [pages, page_size, Hkv, D]
         out = meta.wrappers[group_index].run(q.to(self.dtype).contiguous(), kv_cache)  # [N, Hq, Dv]
         return out.to(q.dtype)

@@ -8,6 +8,7 @@ as a plain HF model with sdpa attention, so users can still call it directly.
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -33,25 +34,86 @@ def paged_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, AttentionProbs | None]:
     backend = current_backend()
-    if backend is None:  # the user calls the model directly (plain HF use): behave exactly as sdpa
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+    if backend is None:  # the user calls the model directly (plain HF use): behave exactly as HF would
+        return _plain_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if query.shape[0] != 1 or key.shape[2] != query.shape[2]:
         raise RuntimeError(
             f"packed attention expects [1, H, N, D] with only this step's tokens, got query {tuple(query.shape)} "
             f"and key {tuple(key.shape)}"
         )
+    _refuse_unsupported_inputs(module, kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     q = query[0].transpose(0, 1)  # [N, Hq, D]
-    sliding_window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    sliding_window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    chunk_size = attention_chunk_size(module)
     out = backend.forward(module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1),
-                          scaling=scaling, sliding_window=sliding_window, softcap=softcap)  # [N, Hq, Dv]
+                          scaling=scaling, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
+                          chunk_size=chunk_size)  # [N, Hq, Dv]
     probs_plan = current_probs_plan()
     if probs_plan is None:  # nobody in the step asked: the second output is None, as sdpa's
         return out.unsqueeze(0), None  # [1, N, Hq, Dv]
     # After the backend: it has written this layer's K into the pool, and its output stays as it is.
-    probs = probs_plan.compute(backend.kv_pool, module.layer_idx, q, scaling, sliding_window, softcap)
+    probs = probs_plan.compute(backend.kv_pool, module.layer_idx, q, scaling, sliding_window, softcap, sinks,
+                               chunk_size)
     return out.unsqueeze(0), probs
+
+
+def attention_chunk_size(module: torch.nn.Module) -> int | None:
+    """The chunk of a chunked-attention layer (Llama 4's `chunked_attention` layers), else None.
+
+    HF applies it through the layer's mask, which a packed step does not build; the backend masks it.
+    """
+    config = module.config
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None or layer_types[module.layer_idx] != "chunked_attention":
+        return None
+    return config.attention_chunk_size
+
+
+# Attention inputs that change the scores per query and key, which the packed backends do not apply.
+_UNSUPPORTED_TENSOR_INPUTS = ("position_bias", "sinks")
+
+
+def _refuse_unsupported_inputs(module: torch.nn.Module, kwargs: dict) -> None:
+    given = [name for name in _UNSUPPORTED_TENSOR_INPUTS if kwargs.get(name) is not None]
+    if given:
+        raise ValueError(
+            f"{type(module).__name__} (layer {module.layer_idx}) passes {given} to its attention: per-query "
+            "score terms that nnrun's packed attention does not apply, so its results would be wrong"
+        )
+
+
+# Attention inputs HF's sdpa cannot apply (it drops sinks and refuses softcaps): the module's own eager runs them.
+_EAGER_ONLY_INPUTS = ("s_aux", "softcap")
+
+
+def _plain_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
+    """sdpa, as HF; a call with inputs sdpa cannot apply gets the module's own file's eager attention."""
+    eager_only = [name for name in _EAGER_ONLY_INPUTS if kwargs.get(name) is not None]
+    if not eager_only:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise RuntimeError(f"{type(module).__name__} attends with {eager_only}, which sdpa cannot apply, and its "
+                           "module has no eager attention to run them")
+    out, _ = eager(module, query, key, value, _additive_mask(attention_mask, query, key), dropout=dropout,
+                   scaling=scaling, **kwargs)
+    return out, None  # no probabilities, as sdpa returns none
+
+
+def _additive_mask(sdpa_mask_: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """The eager form (0 or the dtype's min, added to the scores) of the mask our builder made for sdpa.
+
+    sdpa's builder returns None where the mask is plain causal (sdpa then runs `is_causal`).
+    """
+    if sdpa_mask_ is None:
+        q_len, kv_len = query.shape[2], key.shape[2]
+        sdpa_mask_ = torch.ones((q_len, kv_len), dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+    if sdpa_mask_.dtype != torch.bool:
+        return sdpa_mask_
+    return torch.zeros(sdpa_mask_.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~sdpa_mask_, torch.finfo(query.dtype).min)
 
 
 def paged_attention_mask(*args, **kwargs) -> torch.Tensor | None:

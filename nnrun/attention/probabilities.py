@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nnrun.attention.masks import allowed_keys
 from nnrun.forward_batch import ForwardBatch
 from nnrun.memory import KVPool
 
@@ -59,22 +60,23 @@ class _AskingRequest:
     q_len: int
     prefix_len: int
     kv_slots: torch.Tensor  # [seq_len] int64 on the device: its whole KV after this step
-    by_window: dict = field(default_factory=dict)  # window -> (slots, mask): the same for every layer of a step
+    by_window: dict = field(default_factory=dict)  # (window, chunk) -> (slots, mask): the same for every layer of a step
 
-    def keys(self, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def keys(self, sliding_window: int | None,
+             chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The slots of the keys HF's cache holds for this layer kind, and the mask over them (None: all allowed)."""
-        if sliding_window not in self.by_window:
+        kind = (sliding_window, chunk_size)
+        if kind not in self.by_window:
             seq_len = self.prefix_len + self.q_len
             kv_start = 0 if sliding_window is None else max(0, self.prefix_len - sliding_window + 1)
             device = self.kv_slots.device
             q_pos = torch.arange(self.prefix_len, seq_len, device=device)[:, None]  # [n, 1]
             kv_pos = torch.arange(kv_start, seq_len, device=device)[None, :]  # [1, L]
-            allowed = kv_pos <= q_pos  # [n, L]
-            if sliding_window is not None:
-                allowed &= kv_pos > q_pos - sliding_window
-            mask = None if self.q_len == 1 else allowed  # one query sees every key it is given (the window's)
-            self.by_window[sliding_window] = (self.kv_slots[kv_start:], mask)
-        return self.by_window[sliding_window]
+            allowed = allowed_keys(q_pos, kv_pos, sliding_window, chunk_size)  # [n, L]
+            # one query sees every key it is given (the window's), unless chunks hide some of them
+            mask = None if self.q_len == 1 and chunk_size is None else allowed
+            self.by_window[kind] = (self.kv_slots[kv_start:], mask)
+        return self.by_window[kind]
 
 
 @dataclass
@@ -96,20 +98,25 @@ class AttentionProbsPlan:
         ])
 
     def compute(self, kv_pool: KVPool, layer_idx: int, q: torch.Tensor, scaling: float,
-                sliding_window: int | None, softcap: float | None) -> AttentionProbs:
+                sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None,
+                chunk_size: int | None = None) -> AttentionProbs:
         """`q` is the step's `[N, Hq, D]` queries; the layer's keys are already in the pool."""
         k_flat = kv_pool.k_flat(layer_idx)  # [num_slots, Hkv, D]
         by_row = {}
         for req in self.requests:
-            slots, mask = req.keys(sliding_window)
+            slots, mask = req.keys(sliding_window, chunk_size)
             by_row[req.row] = _eager_probs(q[req.q_start : req.q_start + req.q_len], k_flat.index_select(0, slots),
-                                           mask, scaling, softcap)
+                                           mask, scaling, softcap, sinks)
         return AttentionProbs(by_row)
 
 
 def _eager_probs(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-                 softcap: float | None) -> torch.Tensor:
-    """HF eager's softmax for one request: q `[n, Hq, D]`, keys `[L, Hkv, D]`, mask `[n, L]` -> `[1, Hq, n, L]`."""
+                 softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """HF eager's softmax for one request: q `[n, Hq, D]`, keys `[L, Hkv, D]`, mask `[n, L]` -> `[1, Hq, n, L]`.
+
+    With attention sinks (`[Hq]`), each head's sink logit joins the softmax and its probability is
+    dropped, as the sink families' eager attention returns them.
+    """
     num_q, num_q_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     grouped_q = q.view(num_q, num_kv_heads, num_q_heads // num_kv_heads, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
@@ -118,5 +125,10 @@ def _eager_probs(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None,
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [Hkv, G, n, L]
-    return probs.view(1, num_q_heads, num_q, -1)  # [1, Hq, n, L]
+    if sinks is not None:
+        sink_logits = sinks.view(num_kv_heads, -1, 1, 1).to(scores.dtype).expand(-1, -1, num_q, 1)  # [Hkv, G, n, 1]
+        scores = torch.cat([scores, sink_logits], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [Hkv, G, n, L (+1)]
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return probs.reshape(1, num_q_heads, num_q, -1)  # [1, Hq, n, L]

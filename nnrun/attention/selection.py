@@ -20,16 +20,22 @@ FLASHINFER_HEAD_DIMS = (64, 128, 256)
 def create_attention_backend(name: str, kv_pool: KVPool, device: torch.device, layers: list) -> AttentionBackend:
     """`name` is "auto", "torch" or "flashinfer".
 
-    "auto" takes FlashInfer on CUDA when it is installed, the cache is fp16/bf16 and every layer's
-    head dim is one its kernels exist for; everything else runs on the torch backend.
+    "auto" takes FlashInfer on CUDA when it is installed, the cache is fp16/bf16, every layer's
+    head dim is one its kernels exist for and no layer needs what nnrun's FlashInfer backend does
+    not plan (attention sinks); everything else runs on the torch backend.
     """
     half = kv_pool.k_pages and kv_pool.k_pages[0].dtype in (torch.float16, torch.bfloat16)
     # Only the real kernels have the restriction (on CPU the backend runs under the tests' emulator).
     odd_head_dims = sorted(_head_dims(layers) - set(FLASHINFER_HEAD_DIMS)) if device.type == "cuda" else []
+    unplanned = flashinfer_unplanned_features(layers)
     auto_could_take_flashinfer = name == "auto" and device.type == "cuda" and half and _flashinfer_available()
     if auto_could_take_flashinfer and odd_head_dims:
         logger.info("head dims %s have no FlashInfer kernel: using the torch attention backend", odd_head_dims)
-    if name == "flashinfer" or (auto_could_take_flashinfer and not odd_head_dims):
+    if auto_could_take_flashinfer and unplanned:
+        logger.info("%s: using the torch attention backend", unplanned)
+    if name == "flashinfer" or (auto_could_take_flashinfer and not odd_head_dims and not unplanned):
+        if unplanned:
+            raise ValueError(f"DeviceConfig.attention_backend='flashinfer': {unplanned}; use attention_backend='torch'")
         if odd_head_dims:
             raise ValueError(f"DeviceConfig.attention_backend='flashinfer' runs head dims {FLASHINFER_HEAD_DIMS}, "
                              f"this model has {odd_head_dims}; use attention_backend='torch'")
@@ -42,6 +48,21 @@ def create_attention_backend(name: str, kv_pool: KVPool, device: torch.device, l
 
         return FlashInferAttnBackend(kv_pool, device, layers)
     return TorchAttnBackend(kv_pool, device)
+
+
+def flashinfer_unplanned_features(layers: list) -> str | None:
+    """Why nnrun's FlashInfer backend cannot serve these layers, or None when it can.
+
+    Attention sinks: FlashInfer 0.7.2's paged wrappers take none (only its trtllm-gen backend and a
+    JIT-compiled sink variant do, which nnrun has not validated against HF on hardware).
+    """
+    sink_layers = [layer.layer_idx for layer in layers if layer.has_sinks]
+    if sink_layers:
+        return f"layers {sink_layers} have attention sinks, which nnrun's FlashInfer backend does not apply"
+    chunked_layers = [layer.layer_idx for layer in layers if layer.chunk_size is not None]
+    if chunked_layers:
+        return f"layers {chunked_layers} use chunked attention, which nnrun's FlashInfer backend does not mask"
+    return None
 
 
 def _head_dims(layers: list) -> set[int]:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from nnrun.attention.base import AttentionBackend
+from nnrun.attention.masks import allowed_keys
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -40,9 +41,9 @@ class _TorchMetadata:
     extend_groups: list[_ExtendGroup]
     decode_slots: torch.Tensor | None  # [B, max_seq_len] int64 (padding points at the pool's zero page)
     decode_seq_lens: torch.Tensor | None  # [B] int64
-    # Decode masks by sliding window (None: full causal), built by the first layer that asks: every
-    # layer of that kind reads the same one.
-    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # each [B, 1, 1, max_seq_len] bool
+    # Decode masks by (sliding window, chunk size) (None, None: full causal), built by the first layer
+    # that asks: every layer of that kind reads the same one.
+    decode_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # each [B, 1, 1, max_seq_len] bool
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -50,8 +51,9 @@ class TorchAttnBackend(AttentionBackend):
 
     Extend steps batch requests of equal (prefix, length) shape into one call each (causal,
     bottom-right aligned), as HF's padded batch would for equal prompts; decode steps gather every
-    request's KV into one padded batch. Softmax runs in float32 when a softcap is present
-    (as HF's eager path does); otherwise torch's SDPA kernel does the work.
+    request's KV into one padded batch. Softmax runs in float32 when a softcap or attention sinks
+    are present (as HF's eager path does); otherwise torch's SDPA kernel does the work. Sliding
+    windows and attention chunks are masked per request, at its own positions.
     """
 
     name = "torch"
@@ -67,11 +69,11 @@ class TorchAttnBackend(AttentionBackend):
         groups = _extend_groups(forward_batch, self.device)
         self.metadata = _TorchMetadata(out_cache_loc, ForwardMode.EXTEND, groups, None, None)
 
-    def forward(self, layer_idx, q, k, v, scaling, sliding_window, softcap):
+    def forward(self, layer_idx, q, k, v, scaling, sliding_window, softcap, sinks=None, chunk_size=None):
         meta = self.metadata
         self.kv_pool.write(layer_idx, meta.out_cache_loc, k, v)
         if meta.mode is ForwardMode.DECODE:
-            return self._decode(layer_idx, q, scaling, sliding_window, softcap)
+            return self._decode(layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size)
         k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))  # [N, Hq, Dv]
         for group in meta.extend_groups:
@@ -92,38 +94,32 @@ class TorchAttnBackend(AttentionBackend):
                 slots = group.kv_slots.flatten()
                 keys = k_flat.index_select(0, slots).view(*group.kv_slots.shape, *k_flat.shape[1:])  # [G, L, Hkv, D]
                 values = v_flat.index_select(0, slots).view(*group.kv_slots.shape, *v_flat.shape[1:])
-            attended = _attend(group_q, keys, values, group.prefix_len, scaling, sliding_window, softcap)  # [G, n, Hq, Dv]
+            attended = _attend(group_q, keys, values, group.prefix_len, scaling, sliding_window, softcap, sinks,
+                               chunk_size)  # [G, n, Hq, Dv]
             if group.token_indices is None:
                 out[tokens] = attended.reshape(num * q_len, *attended.shape[2:])
             else:
                 out.index_copy_(0, group.token_indices, attended.reshape(num * q_len, *attended.shape[2:]))
         return out
 
-    def _decode(self, layer_idx, q, scaling, sliding_window, softcap):
+    def _decode(self, layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size):
         meta = self.metadata
         batch_slots = meta.decode_slots.flatten()  # [B * L]
         k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
         keys = k_flat.index_select(0, batch_slots).view(*meta.decode_slots.shape, *k_flat.shape[1:])  # [B, L, Hkv, D]
         values = v_flat.index_select(0, batch_slots).view(*meta.decode_slots.shape, *v_flat.shape[1:])  # [B, L, Hkv, Dv]
-        allowed = meta.decode_masks.get(sliding_window)
+        allowed = meta.decode_masks.get((sliding_window, chunk_size))
         if allowed is None:
-            allowed = meta.decode_masks[sliding_window] = _decode_mask(meta.decode_seq_lens, keys.shape[1],
-                                                                       sliding_window)
-        batch, num_q_heads, head_dim = q.shape
-        num_kv_heads = keys.shape[2]
-        if softcap is None:
+            allowed = meta.decode_masks[sliding_window, chunk_size] = _decode_mask(
+                meta.decode_seq_lens, keys.shape[1], sliding_window, chunk_size)
+        if softcap is None and sinks is None:
             out = F.scaled_dot_product_attention(
                 q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=allowed, scale=scaling, enable_gqa=num_q_heads != num_kv_heads,
+                attn_mask=allowed, scale=scaling, enable_gqa=q.shape[1] != keys.shape[2],
             )  # [B, Hq, 1, Dv]
             return out[:, :, 0]
-        grouped_q = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
-        scores = torch.einsum("bkgd,blkd->bkgl", grouped_q.float(), keys.float()) * scaling  # [B, Hkv, G, L]
-        scores = torch.tanh(scores / softcap) * softcap
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = scores.softmax(dim=-1)
-        out = torch.einsum("bkgl,blkd->bkgd", probs, values.float())  # [B, Hkv, G, Dv]
-        return out.reshape(batch, num_q_heads, -1).to(q.dtype)
+        out = _eager_attend(q[:, None], keys, values, allowed[:, None], scaling, softcap, sinks)  # [B, 1, Hq, Dv]
+        return out[:, 0]
 
 
 def _padded_decode_slots(forward_batch: ForwardBatch, seq_lens: torch.Tensor, zero_slot: int) -> torch.Tensor:
@@ -141,14 +137,12 @@ def _padded_decode_slots(forward_batch: ForwardBatch, seq_lens: torch.Tensor, ze
     return padded
 
 
-def _decode_mask(seq_lens: torch.Tensor, kv_len: int, sliding_window: int | None) -> torch.Tensor:
+def _decode_mask(seq_lens: torch.Tensor, kv_len: int, sliding_window: int | None,
+                 chunk_size: int | None) -> torch.Tensor:
     """[B, 1, 1, kv_len] bool: which KV positions each request's one new token sees."""
     kv_pos = torch.arange(kv_len, device=seq_lens.device)[None, :]  # [1, L]
     q_pos = (seq_lens - 1)[:, None]  # [B, 1]
-    allowed = kv_pos <= q_pos  # [B, L]
-    if sliding_window is not None:
-        allowed &= kv_pos > q_pos - sliding_window
-    return allowed[:, None, None, :]
+    return allowed_keys(q_pos, kv_pos, sliding_window, chunk_size)[:, None, None, :]
 
 
 def _extend_groups(forward_batch: ForwardBatch, device: torch.device) -> list[_ExtendGroup]:
@@ -169,30 +163,45 @@ def _extend_groups(forward_batch: ForwardBatch, device: torch.device) -> list[_E
     return groups
 
 
-def _attend(q, k, v, prefix_len, scaling, sliding_window, softcap):
+def _attend(q, k, v, prefix_len, scaling, sliding_window, softcap, sinks, chunk_size):
     """G requests of one shape: q [G, n, Hq, D] at positions prefix_len.., k/v [G, L, Hkv, D] at 0..L-1."""
     q_len, kv_len = q.shape[1], k.shape[1]
-    needs_mask = prefix_len > 0 or (sliding_window is not None and sliding_window < kv_len)
+    limits_bind = any(limit is not None and limit < kv_len for limit in (sliding_window, chunk_size))
     allowed = None
-    if needs_mask:
+    if prefix_len > 0 or limits_bind:
         q_pos = torch.arange(prefix_len, prefix_len + q_len, device=q.device)[:, None]  # [n, 1]
         kv_pos = torch.arange(kv_len, device=q.device)[None, :]  # [1, L]
-        allowed = kv_pos <= q_pos  # [n, L]
-        if sliding_window is not None:
-            allowed &= kv_pos > q_pos - sliding_window
-    if softcap is None:
+        allowed = allowed_keys(q_pos, kv_pos, sliding_window, chunk_size)  # [n, L]
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=allowed, is_causal=allowed is None and q_len > 1, scale=scaling,
             enable_gqa=q.shape[2] != k.shape[2],
         )  # [G, Hq, n, Dv]
         return out.transpose(1, 2)
-    num, num_q_heads, num_kv_heads = q.shape[0], q.shape[2], k.shape[2]
-    grouped_q = q.view(num, q_len, num_kv_heads, num_q_heads // num_kv_heads, q.shape[3])  # [G, n, Hkv, R, D]
-    scores = torch.einsum("bnkrd,blkd->bkrnl", grouped_q.float(), k.float()) * scaling  # [G, Hkv, R, n, L]
-    scores = torch.tanh(scores / softcap) * softcap
     if allowed is None:
         allowed = torch.ones((q_len, kv_len), dtype=torch.bool, device=q.device).tril()
+    return _eager_attend(q, k, v, allowed, scaling, softcap, sinks)
+
+
+def _eager_attend(q, k, v, allowed, scaling, softcap, sinks):
+    """HF eager's arithmetic in float32: softcap, mask, softmax with each head's sink logit, then values.
+
+    q [G, n, Hq, D], k/v [G, L, Hkv, D], `allowed` broadcast to [G, Hkv, R, n, L], `sinks` [Hq] or None.
+    A sink is one more logit in each query's softmax whose probability is dropped (gpt-oss, Granite SWA).
+    """
+    num, q_len, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_q_heads // num_kv_heads
+    grouped_q = q.view(num, q_len, num_kv_heads, group, head_dim)  # [G, n, Hkv, R, D]
+    scores = torch.einsum("bnkrd,blkd->bkrnl", grouped_q.float(), k.float()) * scaling  # [G, Hkv, R, n, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.einsum("bkrnl,blkd->bnkrd", scores.softmax(dim=-1), v.float())  # [G, n, Hkv, R, Dv]
+    if sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sink_logits = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(num, -1, -1, q_len, 1)  # [G, Hkv, R, n, 1]
+        probs = torch.cat([scores, sink_logits], dim=-1).softmax(dim=-1)[..., :-1]
+    out = torch.einsum("bkrnl,blkd->bnkrd", probs, v.float())  # [G, n, Hkv, R, Dv]
     return out.reshape(num, q_len, num_q_heads, -1).to(q.dtype)

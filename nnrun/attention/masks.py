@@ -1,0 +1,21 @@
+"""Which keys a query may see: causal, a sliding window, attention chunks (HF's mask rules, per request)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def allowed_keys(q_pos: torch.Tensor, kv_pos: torch.Tensor, sliding_window: int | None,
+                 chunk_size: int | None) -> torch.Tensor:
+    """Bool, broadcast of `q_pos` against `kv_pos` (positions within one request).
+
+    HF's rules: a key at or before the query; within a window W, the last W positions
+    (`kv > q - W`); with chunked attention (Llama 4), only keys of the query's own chunk
+    (`kv // chunk == q // chunk`, which with causality is `kv >= q - q % chunk`).
+    """
+    allowed = kv_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= kv_pos > q_pos - sliding_window
+    if chunk_size is not None:
+        allowed &= kv_pos >= q_pos - q_pos % chunk_size
+    return allowed

@@ -1,0 +1,172 @@
+"""Families whose HF modules need more than plain causal attention over `position_ids`, on the packed path.
+
+Each model is built tiny from its own family's config with random weights (fp32). Three prompts of
+different lengths run packed in one step and then decode greedily together; every logit must equal
+the same prompt run alone through plain HF (eager attention, no cache), and every token HF's argmax.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import nnrun
+from nnrun.attention import selection
+from nnrun.memory import LayerKVShape
+from nnrun.model_probe import AttentionLayerInfo
+
+VOCAB = 128
+PROMPT_LENGTHS = (5, 11, 3)
+DECODE_STEPS = 4
+# A packed step sums the same products in another order than a solo forward (other matmul shapes),
+# so fp32 values move by ulps of the largest value they were summed from: the bound scales with it.
+PACKED_REL = 1e-5
+_SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+def tiny_model(model_type: str, **overrides) -> torch.nn.Module:
+    """A random-weight model of `model_type`'s causal-LM class, from its config with small sizes."""
+    config = AutoConfig.for_model(model_type, **{**_SMALL, **overrides})
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+
+
+def hf_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """An independent plain-HF copy (eager attention): the oracle."""
+    twin = type(model)(copy.deepcopy(model.config)).eval()
+    twin.load_state_dict(model.state_dict())
+    twin.set_attn_implementation("eager")
+    return twin
+
+
+@torch.no_grad()
+def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """[T, V] float32 logits of one prompt run alone through plain HF."""
+    return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def prompts_of(lengths=PROMPT_LENGTHS, low: int = 3, seed: int = 1) -> list[list[int]]:
+    """Token ids from `low` up: the special ids (pad, bos, eos) of these configs stay out of the prompts."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def packed_prompt_logits(llm: nnrun.LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
+    """Each prompt's `[T, V]` logits from one packed prefill step of all of them."""
+    runner = llm.runner
+    params = nnrun.SamplingParams(max_tokens=1, prompt_logprobs=0)
+    reqs = [llm.make_request(prompt, params) for prompt in prompts]
+    try:
+        for req in reqs:
+            req.page_ids = runner.allocator.alloc(runner.allocator.pages_needed(req.num_tokens))
+            req.req_pool_idx = runner.req_to_token_pool.alloc()
+        forward_batch = runner.prepare_forward_batch_extend(reqs)
+        output = runner.forward(forward_batch)
+    finally:
+        for req in reqs:
+            runner.release_kv(req)
+    return [torch.cat([prompt_rows, next_row[None]]).float()
+            for prompt_rows, next_row in zip(output.prompt_logits, output.next_token_logits)]
+
+
+def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, what: str) -> float:
+    """Equal up to summation order, relative to the largest magnitude; returns the max abs difference."""
+    diff = (actual - expected).abs().max().item()
+    bound = PACKED_REL * max(1.0, expected.abs().max().item())
+    assert diff <= bound, f"{what}: max abs diff {diff:.3g} > {bound:.3g}"
+    return diff
+
+
+def assert_packed_matches_hf(model: torch.nn.Module, prompts: list[list[int]] | None = None) -> None:
+    """Packed prefill logits and greedy decode steps (tokens and logprobs) equal HF run one prompt at a time."""
+    prompts = prompts or prompts_of()
+    oracle = hf_twin(model)
+    name = model.config.model_type
+    with nnrun.LLM(model, page_size=4) as llm:
+        assert getattr(llm.runner, "exact_forward", None) is None, f"{name} is served by the exact path, not packed"
+        for prompt, logits in zip(prompts, packed_prompt_logits(llm, prompts)):
+            assert_close_to(logits, hf_logits(oracle, prompt), f"{name} prefill of {len(prompt)} tokens")
+        params = nnrun.SamplingParams(max_tokens=DECODE_STEPS, temperature=0, logprobs=0, ignore_eos=True)
+        outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs):
+        tokens = output.outputs[0].token_ids
+        assert len(tokens) == DECODE_STEPS
+        expected = torch.log_softmax(hf_logits(oracle, prompt + tokens), dim=-1)  # [T, V]
+        for step, token in enumerate(tokens):
+            row = expected[len(prompt) - 1 + step]
+            assert token == row.argmax().item(), f"{name}: decode step {step} of a {len(prompt)}-token prompt"
+            got = torch.tensor(output.outputs[0].logprobs[step][token])
+            assert_close_to(got, row[token], f"{name}: logprob at decode step {step}")
+
+
+# ---- attention sinks ----------------------------------------------------------------------------
+
+SINK_FAMILIES = {
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"]),
+    "granite_swa": dict(sliding_window=4),
+    "granitemoe_swa": dict(sliding_window=4),
+    "flint": {},
+    "mimo_v2_flash": {},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(SINK_FAMILIES))
+def test_attention_sinks_match_hf(model_type):
+    model = tiny_model(model_type, **SINK_FAMILIES[model_type])
+    assert any(getattr(module, "sinks", None) is not None for module in model.modules()), model_type
+    with torch.no_grad():  # sinks big enough to take a visible share of every softmax
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.copy_(torch.linspace(-1.0, 2.0, module.sinks.numel()))
+    assert_packed_matches_hf(model)
+
+
+def test_sinks_change_hf_results():
+    """Negative control: without its sinks the model's logits differ, so the comparisons above can fail."""
+    model = tiny_model("gpt_oss", **SINK_FAMILIES["gpt_oss"])
+    without = hf_twin(model)
+    with torch.no_grad():
+        for module in without.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.fill_(-1e4)  # exp(-1e4) is 0: no probability goes to the sink
+    prompt = prompts_of()[1]
+    assert (hf_logits(model, prompt) - hf_logits(without, prompt)).abs().max() > 1e-2
+
+
+def test_sink_models_called_plainly_keep_their_sinks():
+    """Outside an engine step the model is plain HF: the sinks reach HF's own eager attention."""
+    model = tiny_model("gpt_oss", **SINK_FAMILIES["gpt_oss"])
+    oracle = hf_twin(model)
+    prompt = prompts_of()[1]
+    with nnrun.LLM(model, page_size=4) as llm:
+        assert_close_to(hf_logits(llm.model, prompt), hf_logits(oracle, prompt), "gpt_oss called plainly")
+
+
+# ---- FlashInfer backend selection ---------------------------------------------------------------
+
+def _layers(**settings) -> list[AttentionLayerInfo]:
+    shape = LayerKVShape(num_kv_heads=2, head_dim=64, v_head_dim=64)
+    return [AttentionLayerInfo(layer_idx=i, num_q_heads=4, kv_shape=shape, scaling=0.125, sliding_window=None,
+                               softcap=None, **settings) for i in range(2)]
+
+
+def test_auto_keeps_the_torch_backend_for_sinks_and_says_why(monkeypatch, caplog):
+    monkeypatch.setattr(selection, "_flashinfer_available", lambda: True)
+    monkeypatch.setattr(selection, "TorchAttnBackend", lambda pool, device: "torch")
+    pool = SimpleNamespace(k_pages=[torch.empty(0, dtype=torch.bfloat16)])
+    with caplog.at_level(logging.INFO, logger=selection.__name__):
+        assert selection.create_attention_backend("auto", pool, torch.device("cuda"), _layers(has_sinks=True)) == "torch"
+    assert "layers [0, 1] have attention sinks" in caplog.text
+
+
+def test_explicit_flashinfer_with_sinks_names_them():
+    pool = SimpleNamespace(k_pages=[torch.empty(0, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match=r"attention_backend='flashinfer': layers \[0, 1\] have attention sinks"):
+        selection.create_attention_backend("flashinfer", pool, torch.device("cuda"), _layers(has_sinks=True))
