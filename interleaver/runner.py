@@ -31,6 +31,7 @@ from interleaver.generator import serve_prompts, serve_step_tokens
 from interleaver.mediator import PackedInterleaver, ServedValues
 from interleaver.requests import NNsightRequestHelper
 from nnrun.attention import AttentionBackend
+from nnrun.exact import family_of
 from nnrun.forward_batch import ForwardBatch
 from nnrun.model_runner import LogitsProcessorOutput, ModelRunner
 from nnrun.request import Request
@@ -60,6 +61,19 @@ class NNsightGPUModelRunner(ModelRunner):
         if any(wants):
             _keep_all_logits(forward_batch, wants)
         return forward_batch
+
+    def forward_groups(self, reqs: list[Request]) -> list[list[Request]]:
+        """On the exact path, a request whose invoke spans several prompts fails: it needs them in one forward."""
+        groups = super().forward_groups(reqs)
+        if len(groups) == 1:
+            return groups
+        spanning = [req for req in reqs if _spans_several_requests(req)]
+        for req in spanning:
+            req.fail(ValueError(
+                f"{family_of(self.model)} runs on nnrun's exact path (one HF forward per prompt), where an invoke "
+                "over several prompts (an empty invoke, or a list of prompts in one invoke) cannot see them in one "
+                "forward; give each prompt its own tracer.invoke(...)"))
+        return [group for group in groups if group[0] not in spanning]
 
     # ---- 2. forward -----------------------------------------------------------------------
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
@@ -203,6 +217,11 @@ class NNsightGPUModelRunner(ModelRunner):
 
 def _job_of(req: Request) -> Any:
     return req.extra_args.get("nnsight")
+
+
+def _spans_several_requests(req: Request) -> bool:
+    job = _job_of(req)
+    return job is not None and any(len(set(inv.request_ids)) > 1 for inv in job.invocations_of(req.request_id))
 
 
 def _logit_spans(forward_batch: ForwardBatch) -> list[tuple[int, int]]:

@@ -37,12 +37,17 @@ class ModelConfig:
     max_model_len: int | None = None  # default: the model's own context length
     revision: str | None = None
     trust_remote_code: bool = False
+    # "auto": the packed path if the load-time probe finds it gives HF's own numbers, else the exact
+    # path (each request through HF's own forward and cache); "exact": the exact path, always.
+    forward_path: str = "auto"
 
     def __post_init__(self) -> None:
         if self.model is None or (isinstance(self.model, str) and not self.model.strip()):
             raise ValueError("ModelConfig.model must name a model or be a PreTrainedModel, got nothing")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"ModelConfig.load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.forward_path not in ("auto", "exact"):
+            raise ValueError(f"ModelConfig.forward_path must be 'auto' or 'exact', got {self.forward_path!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"ModelConfig.max_model_len must be positive, got {self.max_model_len}")
 

@@ -65,7 +65,7 @@ class EngineCore:
                 return [], finished
             reqs = batch.reqs
             try:
-                ran, (next_ids, token_logprobs) = self._run_isolated(reqs, batch.forward_mode)
+                ran, (next_ids, token_logprobs) = self._run_groups(reqs, batch.forward_mode)
             except BaseException as error:  # a failure of the step itself: its requests end, the engine goes on
                 logger.exception("engine step failed")
                 finished += self.scheduler.fail_requests(reqs, error)
@@ -76,6 +76,25 @@ class EngineCore:
             finished += self._drain_scheduler_failures()
             self._finish(finished)
             return reqs, finished
+
+    def _run_groups(self, reqs: list[Request], mode: ForwardMode) -> tuple[list[Request], tuple[list, list]]:
+        """Run the step as the runner groups it (one packed forward, or one per request on the exact path)."""
+        groups = self.runner.forward_groups(reqs)
+        if len(groups) == 1 and len(groups[0]) == len(reqs):
+            return self._run_isolated(reqs, mode)
+        ran, next_ids, token_logprobs = [], [], []
+        for group in groups:
+            try:
+                group_ran, (group_ids, group_logprobs) = self._run_isolated(group, mode)
+            except BaseException as error:  # this group's forward failed: its requests end, the others ran
+                logger.exception("engine forward failed")
+                for req in group:
+                    req.fail(error)
+                continue
+            ran += group_ran
+            next_ids += group_ids
+            token_logprobs += group_logprobs
+        return ran, (next_ids, token_logprobs)
 
     def _run_isolated(self, reqs: list[Request], mode: ForwardMode) -> tuple[list[Request], tuple[list, list]]:
         """Run the step; if it fails, end the requests whose own code is to blame and run it again without them.

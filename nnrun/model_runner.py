@@ -16,13 +16,14 @@ from nnrun.attention import (ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBac
 from nnrun.attention.probabilities import AttentionProbsPlan
 from nnrun.attention.selection import create_attention_backend
 from nnrun.config import EngineConfig
+from nnrun.exact import FORCED_REASON, HFForward, choose_exact_forward, packed_layers
 from nnrun.cuda_graph import CudaGraphCapturer, DecodeGraphRunner, GraphCapturer, default_batch_sizes
 from nnrun.forward_batch import (ForwardBatch, ForwardMode, decode_forward_batch, is_decode_step,
                                  packed_forward_batch)
 from nnrun.kv_sizing import GiB, kv_budget_bytes, profile_prompt_lengths
 from nnrun.loader import load_model, max_context_len
 from nnrun.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator, hold_kv, release_kv
-from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
+from nnrun.model_probe import AttentionLayerInfo
 from nnrun.request import Request
 from nnrun.sampler import Sampler, SamplerOutput, SamplingRow
 from nnrun.sampling_params import SamplingParams
@@ -49,12 +50,14 @@ class ModelRunner:
         self.step_lock = threading.RLock()  # one forward at a time: engine steps and run_prefill_only
         self.eos_token_ids: set[int] = set()  # set by the engine; used for min_tokens
         self.graph_runner: DecodeGraphRunner | None = None  # decode CUDA graphs, once captured
+        self.exact_forward: HFForward | None = None  # set when the model runs on the exact path (nnrun/exact)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def initialize(self) -> None:
         self.load_model()
         self.init_memory_pool()
         self.init_attention_backend()
+        self.choose_forward_path()
         self.init_cuda_graphs()
 
     def load_model(self) -> None:
@@ -62,7 +65,11 @@ class ModelRunner:
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         self.dtype = self.config.device.torch_dtype
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.layers: list[AttentionLayerInfo] = probe_attention_layers(self.model, self.device)
+        self.layers: list[AttentionLayerInfo] = []
+        # Why the packed path cannot serve this model, known before any packed step runs (None: ask the probe).
+        self.packed_unfit: str | None = FORCED_REASON if self.config.model.forward_path == "exact" else None
+        if self.packed_unfit is None:
+            self.layers, self.packed_unfit = packed_layers(self.model, self.device)
         self._modules = list(self.model.modules())  # checked for hooks before each graph replay
         model_len = max_context_len(self.model.config)
         self.max_model_len = min(self.config.model.max_model_len or model_len, model_len)
@@ -74,6 +81,8 @@ class ModelRunner:
             num_pages = cache.num_pages
         elif cache.max_total_tokens is not None:
             num_pages = -(-cache.max_total_tokens // cache.page_size)
+        elif not self.layers:  # the exact path: pages only count tokens (HF's own caches hold the values)
+            num_pages = -(-self.config.scheduler.max_num_seqs * self.max_model_len // cache.page_size)
         else:
             budget = self._kv_budget_bytes()
             num_pages = max(1, budget // (KVPool.bytes_per_token(shapes, self.dtype) * cache.page_size))
@@ -138,6 +147,25 @@ class ModelRunner:
             forward_batch = self._prepare_forward_batch(reqs, ForwardMode.EXTEND)
             self.sample(ModelRunner.forward(self, forward_batch), forward_batch)
 
+    def choose_forward_path(self) -> None:
+        """Probe the model at load: the packed path serves it only if it gives HF's own numbers.
+
+        Otherwise every step runs each request through HF's own forward and cache (`nnrun.exact`);
+        a model whose own HF forward fails is refused here, naming its family.
+        """
+        with self.step_lock:
+            self.exact_forward = choose_exact_forward(self, self.packed_unfit)
+        if self.exact_forward is not None and self.layers:  # the probe rejected it: no paged KV is needed
+            self.layers = []
+            self._build_kv_cache(self.allocator.num_pages)
+            self.init_attention_backend()
+
+    def forward_groups(self, reqs: list[Request]) -> list[list[Request]]:
+        """The forwards a step's requests run in: one packed forward, or one per request on the exact path."""
+        if self.exact_forward is None:
+            return [reqs]
+        return [[req] for req in reqs]
+
     def init_attention_backend(self) -> None:
         self.attn_backend: AttentionBackend = create_attention_backend(
             self.config.device.attention_backend, self.kv_pool, self.device, self.layers
@@ -158,7 +186,7 @@ class ModelRunner:
         `capturer` stands in for CUDA's graph capture (the CPU tests pass a recording one).
         """
         self.graph_runner = None
-        if not self.config.device.enable_cuda_graphs:
+        if not self.config.device.enable_cuda_graphs or self.exact_forward is not None:
             return
         if capturer is None:
             if self.device.type != "cuda":
@@ -216,12 +244,18 @@ class ModelRunner:
         return self._prepare_forward_batch(reqs, ForwardMode.EXTEND)
 
     def prepare_forward_batch_decode(self, reqs: list[Request]) -> ForwardBatch:
+        if self.exact_forward is not None:
+            return self._prepare_forward_batch(reqs, ForwardMode.DECODE)
         if reqs and is_decode_step(reqs):
             return decode_forward_batch(reqs, self.req_to_token_pool.req_to_token, self.allocator.page_size)
         return self._prepare_forward_batch(reqs, ForwardMode.DECODE)  # mislabelled: the backend's planner refuses it
 
     def _prepare_forward_batch(self, reqs: list[Request], mode: ForwardMode) -> ForwardBatch:
         """Every uncached token of each request (no chunking); the scheduler has allocated the pages."""
+        if self.exact_forward is not None:  # one request per forward (`forward_groups`)
+            if len(reqs) != 1:
+                raise RuntimeError(f"the exact path runs one request per forward, got {len(reqs)}")
+            return self.exact_forward.forward_batch(reqs[0], self._wants_prompt_logits(reqs[0]))
         return packed_forward_batch(reqs, mode, self.req_to_token_pool.req_to_token, self.allocator.page_size,
                                     [self._wants_prompt_logits(req) for req in reqs])
 
@@ -236,6 +270,10 @@ class ModelRunner:
         return self.process_logits(logits, forward_batch)
 
     def run_model(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        if self.exact_forward is not None:
+            with self.grad_context(forward_batch):
+                logits, self.output_type = self.exact_forward.run(forward_batch)  # [R, V]
+            return logits
         self._ensure_paged_attention()
         if self._replays_graph(forward_batch):
             return self.graph_runner.replay(forward_batch)  # [B, V]: a decode step keeps every row
@@ -311,6 +349,8 @@ class ModelRunner:
 
     def finish_requests(self, reqs: list[Request]) -> None:
         """Called by the engine once requests have finished; subclasses collect per-request results."""
+        if self.exact_forward is not None:
+            self.exact_forward.forget([req.request_id for req in reqs])
 
     # ---- extraction -----------------------------------------------------------------------
     def run_prefill_only(self, token_id_lists: list[list[int]]) -> ForwardBatch:
@@ -319,6 +359,9 @@ class ModelRunner:
         Module hooks registered by the caller see the flat `[1, N, ...]` values; prompt i owns
         tokens `extend_start_loc[i] : extend_start_loc[i] + extend_seq_lens[i]`.
         """
+        if self.exact_forward is not None and len(token_id_lists) > 1:
+            raise ValueError(f"this model runs on the exact path (one HF forward per prompt): run_prefill_only "
+                             f"takes one prompt at a time there, got {len(token_id_lists)}")
         with self.step_lock, self._transient_requests(token_id_lists) as reqs:
             forward_batch = self.prepare_forward_batch_extend(reqs)
             forward_batch.logits_indices = torch.zeros(0, dtype=torch.int64)
@@ -338,6 +381,8 @@ class ModelRunner:
         finally:
             for req in reqs:
                 self.release_kv(req)
+            if self.exact_forward is not None:
+                self.exact_forward.forget([req.request_id for req in reqs])
 
     def _hold_kv(self, req: Request) -> None:
         if not 0 < req.num_tokens <= self.req_to_token_pool.max_context_len:

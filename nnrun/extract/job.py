@@ -133,7 +133,8 @@ class ExtractionJob:
         user_limit = options.max_length if options.max_length is not None else model_limit
         self.length_policy = LengthPolicy(min(user_limit, model_limit), user_limit <= model_limit, options.truncate)
         self.batch_tokens = min(llm.config.scheduler.max_num_batched_tokens, self.runner.max_total_tokens)
-        self.batch_prompts = llm.config.scheduler.max_num_seqs
+        # The exact path runs one HF forward per prompt: a forward's values are one prompt's.
+        self.batch_prompts = 1 if llm.runner.exact_forward is not None else llm.config.scheduler.max_num_seqs
         self.page_size = self.runner.allocator.page_size
         self.can_stop_early = False  # set once a complete forward shows the runner packs prompts in order
 

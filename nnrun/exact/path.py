@@ -1,0 +1,77 @@
+"""Which path serves a model: packed when the probe finds it exact, else HF's own forward per request."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from nnrun.exact.hf_forward import HFForward
+from nnrun.exact.probe import hf_references, packed_path_difference, probe_prompts
+from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
+
+if TYPE_CHECKING:
+    from nnrun.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+FORCED_REASON = "forward_path='exact' was asked for"
+
+
+def family_of(model: torch.nn.Module) -> str:
+    """The model's `model_type` (its family in transformers), or its class name."""
+    return getattr(model.config, "model_type", None) or type(model).__name__
+
+
+def packed_layers(model: torch.nn.Module, device: torch.device) -> tuple[list[AttentionLayerInfo], str | None]:
+    """The attention layers the packed path would serve, or the reason it cannot serve this model."""
+    try:
+        layers = probe_attention_layers(model, device)
+    except Exception as error:  # any failure of the packed forward sends the model to the exact path
+        return [], f"{error}" if isinstance(error, ValueError) else f"the packed forward fails ({type(error).__name__}: {error})"
+    if not layers:
+        return [], "no layer calls transformers' attention interface (its attention, if any, is the family's own code)"
+    return layers, None
+
+
+def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFForward | None:
+    """Probe the model; return the exact path's HF forward if the packed path must not serve it, else None.
+
+    Raises `ModelRefusedError` for a model whose own HF forward fails on a plain prompt.
+    """
+    model = runner.model
+    family = family_of(model)
+    hf = HFForward(model, runner.device)
+    prompts = probe_prompts(model.get_input_embeddings().num_embeddings, _special_ids(model), _shortest_window(runner))
+    references = hf_references(hf, prompts, family)
+    reason = packed_unfit or packed_path_difference(runner, prompts, references)
+    if reason is None:
+        return None
+    log = logger.info if reason == FORCED_REASON else logger.warning
+    log("%s runs on nnrun's exact path (one HF forward per request, with HF's own cache; slower than packed): %s",
+        family, reason)
+    hf.caches.clear()
+    return hf
+
+
+def _special_ids(model: torch.nn.Module) -> set[int]:
+    ids: set[int] = set()
+    for source in (model.config, getattr(model, "generation_config", None)):
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "unk_token_id"):
+            value = getattr(source, name, None) if source is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def _shortest_window(runner: "ModelRunner") -> int | None:
+    """The shortest sliding window or attention chunk, so a probe prompt can cross it."""
+    windows = [layer.sliding_window for layer in runner.layers if layer.sliding_window]
+    for config in (runner.model.config, getattr(runner.model.config, "text_config", None)):
+        chunk = getattr(config, "attention_chunk_size", None) if config is not None else None
+        if isinstance(chunk, int) and chunk > 0:
+            windows.append(chunk)
+    return min(windows, default=None)

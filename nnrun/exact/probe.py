@@ -1,0 +1,153 @@
+"""The load-time exactness probe: does the packed path give this model's own HF numbers?
+
+A few short prompts of different lengths run packed in one step and then one decode step each;
+every prompt's logits are compared with the model's own HF forward of that prompt alone (HF's own
+cache for the decode step). Anything that differs, and the model never serves from the packed path.
+The cost: one packed prefill and one packed decode, two HF forwards per prompt, and (only when
+something differed, to say what) one packed prefill per prompt alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from nnrun.exact.hf_forward import HFForward
+from nnrun.forward_batch import ForwardMode, packed_forward_batch
+from nnrun.memory import hold_kv
+
+if TYPE_CHECKING:
+    from nnrun.model_runner import ModelRunner
+
+PROBE_LENGTHS = (5, 11, 3)  # different lengths, so a packed request starts mid-batch and lengths differ
+MAX_WINDOW_PROBED = 64  # a sliding window or attention chunk up to this long gets a prompt that crosses it
+
+
+class ModelRefusedError(ValueError):
+    """The model cannot run on nnrun at all (not even through its own HF forward)."""
+
+
+@dataclass
+class ProbePrompt:
+    token_ids: list[int]
+    next_token_id: int  # the token its decode step feeds
+
+
+@dataclass(frozen=True)
+class Reference:
+    """HF's own logits for one probe prompt: every prefill position, then the decode step."""
+
+    prefill: torch.Tensor  # [T, V]
+    decode: torch.Tensor  # [V]
+
+
+def relative_tolerance(dtype: torch.dtype) -> float:
+    """How far packed logits may stray from HF's, relative to the largest logit of the prompt.
+
+    fp32: summation order alone (a packed step sums rows in other groupings than one prompt);
+    half types: their rounding, compounded over the layers.
+    """
+    return 1e-3 if dtype == torch.float32 else 2e-2
+
+
+def differs(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> float | None:
+    """The largest error relative to the expected values' magnitude, if it is over `rtol`; else None."""
+    actual, expected = actual.float(), expected.float()
+    if actual.shape != expected.shape:
+        return float("inf")
+    scale = float(expected.abs().max()) + 1e-6
+    error = float((actual - expected).abs().max()) / scale
+    return error if not error <= rtol else None  # a NaN counts as differing
+
+
+def probe_prompts(vocab_size: int, special_ids: set[int], window: int | None) -> list[ProbePrompt]:
+    """Seeded token ids, none of them a special token; one prompt crosses a short window if there is one."""
+    lengths = list(PROBE_LENGTHS)
+    if window is not None and window + 2 <= MAX_WINDOW_PROBED:
+        lengths[1] = max(lengths[1], window + 2)
+    pool = [t for t in range(min(vocab_size, 4096)) if t not in special_ids] or list(range(vocab_size))
+    generator = torch.Generator().manual_seed(0)
+    picks = torch.randint(len(pool), (sum(lengths) + len(lengths),), generator=generator).tolist()
+    ids = [pool[i] for i in picks]
+    prompts, start = [], 0
+    for length in lengths:
+        prompts.append(ProbePrompt(ids[start : start + length], ids[start + length]))
+        start += length + 1
+    return prompts
+
+
+def hf_references(hf: HFForward, prompts: list[ProbePrompt], family: str) -> list[Reference]:
+    """Each prompt alone through HF's own forward: its prefill, then one decode step on HF's cache.
+
+    A model whose own forward fails here cannot run on nnrun at all: refused, naming the family.
+    """
+    references = []
+    try:
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = torch.tensor([prompt.token_ids], device=hf.device)  # [1, T]
+                prefill = hf.call(ids, None)
+                cache = hf.cache_in(prefill)
+                next_ids = torch.tensor([[prompt.next_token_id]], device=hf.device)  # [1, 1]
+                if cache is None:  # no cache: HF runs the whole sequence again
+                    decode = hf.call(torch.cat([ids, next_ids], dim=1), None)
+                else:
+                    decode = hf.call(next_ids, cache)
+                references.append(Reference(prefill.logits[0], decode.logits[0, -1]))
+    except Exception as error:
+        raise ModelRefusedError(
+            f"{family}: the model's own HF forward fails on a plain {len(prompts[0].token_ids)}-token prompt, so "
+            f"nnrun cannot run it ({type(error).__name__}: {error})") from error
+    return references
+
+
+def packed_path_difference(runner: "ModelRunner", prompts: list[ProbePrompt],
+                           references: list[Reference]) -> str | None:
+    """What differs between the packed path and HF on the probe prompts, or None if nothing does."""
+    rtol = relative_tolerance(runner.dtype)
+    prefills, decodes = _run_packed(runner, prompts)
+    for prompt, reference, prefill, decode in zip(prompts, references, prefills, decodes):
+        error = differs(prefill, reference.prefill[-prefill.shape[0]:], rtol)
+        if error is not None:
+            alone = _run_packed(runner, [prompt], with_decode=False, last_only=prefill.shape[0] == 1)[0][0]
+            where = ("even alone" if differs(alone, reference.prefill[-alone.shape[0]:], rtol) is not None
+                     else "only when packed with other prompts")
+            return (f"the prefill logits of a {len(prompt.token_ids)}-token prompt differ from HF's by {error:.2g} "
+                    f"of their magnitude, {where}")
+        error = differs(decode, reference.decode, rtol)
+        if error is not None:
+            return (f"the decode-step logits after a {len(prompt.token_ids)}-token prompt differ from HF's "
+                    f"(with HF's own cache) by {error:.2g} of their magnitude")
+    return None
+
+
+def _run_packed(runner: "ModelRunner", prompts: list[ProbePrompt], with_decode: bool = True,
+                last_only: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per prompt: packed prefill logits and (with_decode) the packed decode step's `[V]`.
+
+    The second of several prompts keeps only its last position's logits (`[1, V]`), as a generation
+    does, the others every position's (`[T, V]`): a model that ignores `logits_to_keep` shows.
+    """
+    from nnrun.model_runner import ModelRunner
+
+    prefills: list[torch.Tensor] = []
+    decodes: list[torch.Tensor] = []
+    with runner.step_lock, runner._transient_requests([p.token_ids for p in prompts]) as reqs:
+        forward_batch = packed_forward_batch(reqs, ForwardMode.EXTEND, runner.req_to_token_pool.req_to_token,
+                                             runner.allocator.page_size, [not last_only and (len(reqs) == 1 or row != 1) for row in range(len(reqs))])
+        output = ModelRunner.forward(runner, forward_batch)  # the plain packed step, whatever the subclass
+        for row, prompt_logits in enumerate(output.prompt_logits):
+            last = output.next_token_logits[row : row + 1]  # [1, V]
+            prefills.append(last if prompt_logits is None else torch.cat([prompt_logits, last]))
+        if not with_decode:
+            return prefills, decodes
+        for req, prompt in zip(reqs, prompts):
+            req.num_computed_tokens = req.num_tokens
+            req.output_token_ids.append(prompt.next_token_id)
+            if not hold_kv(req, req.num_tokens, runner.allocator, runner.req_to_token_pool):
+                raise RuntimeError("the KV pool cannot hold the exactness probe's prompts")
+        forward_batch = ModelRunner.prepare_forward_batch_decode(runner, reqs)
+        decodes = list(ModelRunner.forward(runner, forward_batch).next_token_logits)
+    return prefills, decodes

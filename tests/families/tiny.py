@@ -1,0 +1,108 @@
+"""Tiny random-weight models of any `model_type` in transformers' causal-LM mapping, built from its config."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+VOCAB_SIZE = 128
+MAX_POSITIONS = 256
+
+# Config attribute -> the tiny value it gets, when the config has it (names vary by family).
+_SIZES = {
+    "hidden_size": 64, "d_model": 64, "n_embd": 64, "n_embed": 64, "hidden_dim": 64, "embed_dim": 64,
+    "word_embed_proj_dim": 64, "dim": 64,
+    "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "d_ff": 128, "decoder_ffn_dim": 128,
+    "encoder_ffn_dim": 128, "ffn_hidden_size": 128, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32, "expert_intermediate_size": 32,
+    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4, "decoder_attention_heads": 4,
+    "encoder_attention_heads": 4, "head_dim": 16, "kv_channels": 16,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_group": 1, "topk_group": 1,
+    "vocab_size": VOCAB_SIZE, "rotary_dim": 8, "rotary_emb_base": 10000,
+}
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers")
+_KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
+_LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern")
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
+              "cls_token_id", "mask_token_id", "unk_token_id")
+
+
+def causal_lm_families() -> list[str]:
+    """Every `model_type` transformers maps to a causal-LM class, sorted."""
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def tiny_config(model_type: str) -> PretrainedConfig:
+    """The family's default config, shrunk to a few layers, small widths and a 128-token vocabulary."""
+    config = AutoConfig.for_model(model_type)
+    for sub in _configs_of(config):
+        _shrink(sub)
+    return config
+
+
+def tiny_model(model_type: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny fp32 causal LM of this family with seeded random weights, in eval mode."""
+    config = tiny_config(model_type)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.eval()
+
+
+def _configs_of(config: PretrainedConfig) -> list[PretrainedConfig]:
+    subs = [config]
+    for key in getattr(config, "sub_configs", {}) or {}:
+        value = getattr(config, key, None)
+        if isinstance(value, PretrainedConfig):
+            subs.extend(_configs_of(value))
+    return subs
+
+
+def _shrink(config: PretrainedConfig) -> None:
+    for name, value in _SIZES.items():
+        _set_if_int(config, name, value)
+    heads = getattr(config, "num_attention_heads", 4)
+    for name in _KV_HEADS:
+        _set_if_int(config, name, 2 if isinstance(heads, int) and heads % 2 == 0 else 1)
+    for name in ("max_position_embeddings", "n_positions", "n_ctx", "max_target_positions", "seq_length"):
+        if isinstance(getattr(config, name, None), int) and getattr(config, name) > MAX_POSITIONS:
+            setattr(config, name, MAX_POSITIONS)
+    num_layers = _shrink_layer_lists(config)
+    for name in _LAYER_COUNTS:
+        _set_if_int(config, name, num_layers)
+    for name in _TOKEN_IDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value >= VOCAB_SIZE:
+            setattr(config, name, VOCAB_SIZE - 1)
+        elif isinstance(value, list):
+            setattr(config, name, [v if v < VOCAB_SIZE else VOCAB_SIZE - 1 for v in value])
+
+
+def _shrink_layer_lists(config: PretrainedConfig) -> int:
+    """Keep one layer of each kind a per-layer list names (a hybrid keeps its attention and its mixers)."""
+    for name in _LAYER_LISTS:
+        kinds = getattr(config, name, None)
+        if isinstance(kinds, (list, tuple, str)) and kinds and not _is_derived(config, name):
+            kept = list(dict.fromkeys(kinds))
+            kept = kept * 2 if len(kept) == 1 else kept
+            setattr(config, name, "".join(kept) if isinstance(kinds, str) else kept)
+            return len(kept)
+    return 2
+
+
+def _is_derived(config: Any, name: str) -> bool:
+    """A read-only property computed from other fields (Mamba's `layer_types`): left to follow them."""
+    attribute = getattr(type(config), name, None)
+    return isinstance(attribute, property) and attribute.fset is None
+
+
+def _set_if_int(config: Any, name: str, value: int) -> None:
+    current = getattr(config, name, None)
+    if isinstance(current, int) and not isinstance(current, bool) and current > value:
+        setattr(config, name, value)
