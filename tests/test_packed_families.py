@@ -149,6 +149,34 @@ def test_sink_models_called_plainly_keep_their_sinks():
         assert_close_to(hf_logits(llm.model, prompt), hf_logits(oracle, prompt), "gpt_oss called plainly")
 
 
+# ---- chunked attention --------------------------------------------------------------------------
+
+# Chunks of 4 tokens: the 5- and 11-token prompts and their decode steps cross chunk boundaries.
+LLAMA4_TEXT = dict(attention_chunk_size=4, num_local_experts=2, intermediate_size_mlp=128, no_rope_layers=[1, 0])
+
+
+def test_llama4_text_chunked_attention_matches_hf():
+    model = tiny_model("llama4_text", **LLAMA4_TEXT)
+    assert model.config.layer_types == ["chunked_attention", "full_attention"]
+    assert_packed_matches_hf(model)
+
+
+def test_llama4_chunked_attention_matches_hf():
+    """`llama4` (the multimodal config) maps to the same causal LM, built from its text config."""
+    config = AutoConfig.for_model("llama4", text_config={**_SMALL, **LLAMA4_TEXT})
+    torch.manual_seed(0)
+    assert_packed_matches_hf(AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval())
+
+
+def test_chunks_change_hf_results():
+    """Negative control: with chunks longer than the prompt, HF's logits differ, so the tests above can fail."""
+    model = tiny_model("llama4_text", **LLAMA4_TEXT)
+    unchunked = hf_twin(model)
+    unchunked.config.attention_chunk_size = 10_000
+    prompt = prompts_of()[1]
+    assert (hf_logits(model, prompt) - hf_logits(unchunked, prompt)).abs().max() > 1e-3
+
+
 # ---- FlashInfer backend selection ---------------------------------------------------------------
 
 def _layers(**settings) -> list[AttentionLayerInfo]:
