@@ -54,12 +54,20 @@ def probe_attention_layers(model: torch.nn.Module, device: torch.device) -> list
         model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=1)
     layer_ids = [call.layer_idx for call in probe.calls]
     if sorted(layer_ids) != list(range(len(layer_ids))):
-        raise ValueError(
-            f"unsupported model: attention layers report layer_idx {layer_ids}; nnrun needs each layer to "
-            "call attention once per forward with a unique layer_idx 0..L-1 (shared-KV layers are not supported)"
-        )
+        raise ValueError(f"the packed path pages one KV cache per attention call: {_layer_mismatch(layer_ids)}")
     for call in probe.calls:
         if call.num_q_heads % call.kv_shape.num_kv_heads:
             raise ValueError(f"layer {call.layer_idx}: {call.num_q_heads} query heads are not a multiple of "
                              f"{call.kv_shape.num_kv_heads} KV heads")
     return sorted(probe.calls, key=lambda call: call.layer_idx)
+
+
+def _layer_mismatch(layer_ids: list[int]) -> str:
+    """Why attention calls reporting these `layer_idx` values cannot each own a KV cache, in a user's words."""
+    repeated = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
+    missing = sorted(set(range(max(layer_ids, default=-1) + 1)) - set(layer_ids))
+    if repeated:
+        return (f"layers {repeated} call attention more than once per forward (shared-KV or repeated attention "
+                f"layers report layer_idx {layer_ids})")
+    return (f"layers {missing} do not call transformers' attention interface (state-space, linear-attention or "
+            f"other mixer layers beside attention layers {layer_ids})")
