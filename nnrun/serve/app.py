@@ -15,10 +15,15 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, HTTPException
+import time
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
 from nnrun.serve.config import ServeConfig
+from nnrun.serve.drain import Drain
 from nnrun.serve.limits import Guard
 
 logger = logging.getLogger("nnrun.serve")
@@ -53,9 +58,10 @@ _load_anyio_backend()
 class ServeState:
     """What every route shares: the config, the model, the worker threads."""
 
-    def __init__(self, config: ServeConfig, model: Any) -> None:
+    def __init__(self, config: ServeConfig, model: Any, drain: Drain | None = None) -> None:
         self.config = config
         self.model = model
+        self.drain = drain if drain is not None else Drain()
         # A request in flight holds at most two workers at once (a completion: submitting, then following its
         # stream); the Guard's cap keeps them within this pool.
         self.executor = ThreadPoolExecutor(max_workers=2 * config.max_in_flight, thread_name_prefix="nnrun-serve")
@@ -66,6 +72,13 @@ class ServeState:
         if self.model is None or self.is_stopping:
             raise HTTPException(status_code=503, detail="the engine is not serving (starting or shutting down)")
         return self.model
+
+    def check_deadlines(self, deadline: float) -> None:
+        """504 past a request's own deadline (monotonic); 503 once a drain cuts the requests still running."""
+        if time.monotonic() > deadline:
+            raise HTTPException(status_code=504, detail="the request ran past this server's time limit")
+        if self.drain.is_cut():
+            raise HTTPException(status_code=503, detail=str(self.drain.error()))
 
     async def wait_or_cancel(self, request: Any, work: asyncio.Future, cancelled: Any) -> Any:
         """Await a worker's result; if the client disconnects first, tell the worker to abort, then wait.
@@ -83,13 +96,14 @@ class ServeState:
                 return await work
 
     def shutdown(self) -> None:
+        """Stop the engine first (requests still in it fail, so the workers waiting on them return), then them."""
         self.is_stopping = True
-        self.executor.shutdown(wait=True)
         if self.model is not None:
             self.model.shutdown()
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
 
-def create_app(config: ServeConfig, model: Any) -> ASGIApp:
+def create_app(config: ServeConfig, model: Any, drain: Drain | None = None) -> ASGIApp:
     """The server's ASGI app over a loaded `ServedLanguageModel` (its engine shuts down with the app).
 
     `Guard` (auth, the in-flight cap) wraps everything; the trace route (`TraceRoute`) is served
@@ -97,7 +111,7 @@ def create_app(config: ServeConfig, model: Any) -> ASGIApp:
     """
     from nnrun.serve import openai_routes, trace_route
 
-    state = ServeState(config, model)
+    state = ServeState(config, model, drain)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -113,6 +127,21 @@ def create_app(config: ServeConfig, model: Any) -> ASGIApp:
         model = state.ready_model()
         return {"status": "ok", "model": config.served_model_name, **model.stats()}
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
+        return JSONResponse({"detail": invalid_fields_message(error.errors())}, status_code=400)
+
     app.include_router(trace_route.router)
     app.include_router(openai_routes.router)
-    return Guard(trace_route.TraceRoute(app, state), api_key=config.api_key, max_in_flight=config.max_in_flight)
+    return Guard(trace_route.TraceRoute(app, state), api_key=config.api_key, max_in_flight=config.max_in_flight,
+                 max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s)
+
+
+def invalid_fields_message(errors: Any) -> str:
+    """A request's invalid fields, each named with why (pydantic's errors, without its noise)."""
+    parts = []
+    for error in errors:
+        location = [str(part) for part in error.get("loc", ()) if part != "body"]
+        name = ".".join(location) or "body"
+        parts.append(f"{name}: {error.get('msg', 'invalid')}")
+    return "invalid request: " + "; ".join(parts)

@@ -13,6 +13,7 @@ its saves and returns them.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import threading
 import uuid
@@ -34,7 +35,7 @@ from interleaver.keywords import _check_kwargs
 from nnrun.serve import wire
 from nnrun.serve.block_payload import serialize_trace
 from nnrun.serve.prompt_ids import PROMPT_IDS_ATTRIBUTE, TokenizerIdentity, encode_trace_prompts
-from nnrun.serve.transport import Connection
+from nnrun.serve.transport import MAX_RETRIES, RETRY_TIMEOUT_S, Connection
 
 MAX_BACKGROUND_TRACES = 16  # non-blocking traces one model sends at once (more wait their turn)
 
@@ -42,14 +43,17 @@ MAX_BACKGROUND_TRACES = 16  # non-blocking traces one model sends at once (more 
 class RemoteLanguageModel(ServedValues, NNsight):
     """nnsight's LanguageModel API over an `nnrun serve` engine: a meta tree here, the weights there.
 
-    `RemoteLanguageModel(model, serve=url, api_key=None, tokenizer=None)`: `model` is what the server
-    was started with (a checkpoint folder, hub id or bundled name), read here for its config only.
+    `RemoteLanguageModel(model, serve=url, api_key=None, tokenizer=None, max_retries=4, retry_timeout=60)`:
+    `model` is what the server was started with (a checkpoint folder, hub id or bundled name), read
+    here for its config only. A request the server refuses with 429 or 503 (busy, or restarting) is
+    sent again after its Retry-After, at most `max_retries` times within `retry_timeout` seconds.
     Engine options a local model would take (`device`, `dtype`, `max_num_seqs`, ...) are accepted
     and ignored, so local code runs against a server by adding `serve=`: the server's own apply.
     """
 
     def __init__(self, model_or_path: Any, *, serve: str, api_key: str | None = None, tokenizer: Any = None,
-                 trust_remote_code: bool = False, **engine_kwargs: Any) -> None:
+                 trust_remote_code: bool = False, max_retries: int = MAX_RETRIES,
+                 retry_timeout: float = RETRY_TIMEOUT_S, **engine_kwargs: Any) -> None:
         path = _resolve_path(model_or_path)
         super().__init__(_meta_model(path, trust_remote_code))
         for envoy in [self, *self.modules()]:
@@ -58,7 +62,7 @@ class RemoteLanguageModel(ServedValues, NNsight):
         object.__setattr__(self, "api_key", api_key)
         object.__setattr__(self, "tokenizer", tokenizer if tokenizer is not None else _tokenizer(path))
         object.__setattr__(self, "_tokenizer_identity", TokenizerIdentity())
-        object.__setattr__(self, "_http", Connection(self.url, api_key))
+        object.__setattr__(self, "_http", Connection(self.url, api_key, max_retries, retry_timeout))
         object.__setattr__(self, "_background", None)
         object.__setattr__(self, "_background_lock", threading.Lock())
 
@@ -201,6 +205,20 @@ class EditRegistration:
         self.id = registration_id
         self.name = name
         self.cleared = False
+
+    def status(self) -> dict[str, Any]:
+        """The server's word on this edit: `{"status": "active" | "failed" | "unknown", "error": ...}`.
+
+        An edit that held the engine past the server's block timeout is taken off the server: its
+        status is then "failed", and "error" says what it did.
+        """
+        return json.loads(self.model._http.post(f"/v1/nnsight/register/{quote(self.id, safe='')}", b"",
+                                                method="GET"))
+
+    @property
+    def error(self) -> str | None:
+        """Why the server took this edit off (None while it runs, or after `clear()`)."""
+        return self.status()["error"]
 
     def clear(self) -> None:
         if not self.cleared:

@@ -3,7 +3,8 @@
 The settings are checked before the model loads (a non-loopback host without a key is refused
 at once); the engine is loaded before the port opens, so `/health` answers only once it is up.
 SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish (up to
---drain-timeout seconds), then shuts the engine down.
+--drain-timeout seconds; those still running then are ended with an error), shuts the engine
+down and exits 0 (`nnrun.serve.drain`).
 """
 
 from __future__ import annotations
@@ -38,7 +39,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-in-flight", type=int, default=64, metavar="N",
                         help="requests served at once; more are answered 429 (default 64)")
     limits.add_argument("--max-body-mb", type=float, default=64.0, metavar="MB",
-                        help="largest request body; larger ones are answered 413 (default 64)")
+                        help="largest request body, on every route; larger ones are answered 413 (default 64)")
+    limits.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                        help="seconds a request's body may take to arrive; a slower one is answered 408 (default 30)")
+    limits.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                        help="seconds a request's headers may take to arrive; then 408 and the connection closes "
+                             "(default 10)")
+    limits.add_argument("--max-header-kb", type=float, default=64.0, metavar="KB",
+                        help="largest request headers; larger ones are answered 431 (default 64)")
+    limits.add_argument("--max-connections", type=int, default=1024, metavar="N",
+                        help="connections open at once; more are closed as they open (default 1024)")
     limits.add_argument("--drain-timeout", type=float, default=60.0, metavar="S",
                         help="on SIGTERM, seconds in-flight requests may take to finish (default 60)")
     parser.add_argument("--served-model-name", default=None, help="the model name OpenAI clients send")
@@ -59,6 +69,8 @@ def build_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         model=args.model, host=args.host, port=args.port, api_key=args.api_key,
         max_body_bytes=int(args.max_body_mb * 2**20), request_timeout_s=args.request_timeout,
+        body_timeout_s=args.body_timeout, header_timeout_s=args.header_timeout,
+        max_header_bytes=int(args.max_header_kb * 2**10), max_connections=args.max_connections,
         block_timeout_s=args.block_timeout,
         max_new_tokens=args.max_new_tokens, max_in_flight=args.max_in_flight, drain_timeout_s=args.drain_timeout,
         served_model_name=args.served_model_name, engine_kwargs=engine_kwargs,
@@ -86,16 +98,21 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from nnrun.serve.app import create_app
+    from nnrun.serve.drain import Drain, DrainingServer
+    from nnrun.serve.http_limits import limited_protocol
     from nnrun.serve.engine_model import ServedLanguageModel
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
-    model = ServedLanguageModel(config.model, max_new_tokens=config.max_new_tokens, **config.engine_kwargs)
-    app = create_app(config, model)
+    model = ServedLanguageModel(config.model, max_new_tokens=config.max_new_tokens,
+                                block_timeout_s=config.block_timeout_s, **config.engine_kwargs)
+    drain = Drain()
+    app = create_app(config, model, drain)
     _freeze_startup_objects()
-    server = uvicorn.Server(uvicorn.Config(
+    server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=args.log_level,
+        http=limited_protocol(config.max_header_bytes, config.header_timeout_s, config.max_connections),
         timeout_graceful_shutdown=config.drain_timeout_s,
         proxy_headers=False,  # nothing here reads the client's address; skip rewriting it per request
-    ))
+    ), drain)
     server.run()
     return 0 if server.started else 1

@@ -18,6 +18,10 @@ class ServeConfig:
     port: int = DEFAULT_PORT
     api_key: str | None = None
     max_body_bytes: int = 64 * 2**20  # a trace's payload: its block, and the tensors it carries
+    body_timeout_s: float = 30.0  # from a request's headers to the last byte of its body (a stalled body is dropped)
+    max_header_bytes: int = 64 * 2**10  # one request's headers; checked before the key, so anyone can send them
+    header_timeout_s: float = 10.0  # from a request's first byte to the end of its headers (slowloris)
+    max_connections: int = 1024  # open at once; more are closed as they open
     request_timeout_s: float = 300.0  # wall clock from arrival (queueing included) to the answer
     block_timeout_s: float = 10.0  # how long one block may hold the engine thread without parking
     max_new_tokens: int = 4096  # per request (a generation's max_new_tokens, a completion's max_tokens)
@@ -31,11 +35,11 @@ class ServeConfig:
             raise ValueError(f"ServeConfig.port must be an int in [0, 65535], got {self.port!r}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("ServeConfig.api_key must be a non-empty string or None")
-        for name in ("max_body_bytes", "max_new_tokens", "max_in_flight"):
+        for name in ("max_body_bytes", "max_header_bytes", "max_new_tokens", "max_in_flight", "max_connections"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServeConfig.{name} must be a positive int, got {value!r}")
-        for name in ("request_timeout_s", "block_timeout_s", "drain_timeout_s"):
+        for name in ("request_timeout_s", "block_timeout_s", "drain_timeout_s", "body_timeout_s", "header_timeout_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"ServeConfig.{name} must be a positive number of seconds, got {value!r}")

@@ -23,12 +23,14 @@ from interleaver.requests import TraceJob
 from interleaver.tracer import NNrunTracer, PendingInvoke
 from nnrun.engine import RequestHandle
 from nnrun.sampling_params import SamplingParams
+from nnrun.serve.block_watch import BlockWatch, EditWatchdog, edit_timeout_message, registration_of
 from nnrun.serve.prompt_ids import TokenizerIdentity, checked_ids
 from nnrun.serve.registration import Registry, attach_registered, detach_registered
 from nnrun.serve.wire import accepted_kwargs
 
 POLL_S = 0.05  # how often a waiting worker looks at its deadline and its client
 ABORT_GRACE_S = 10.0  # how long an aborted trace may take to be finalized by the engine
+ENGINE_STOP_S = 5.0  # for the engine thread to end at shutdown (the process exits regardless: `drain`)
 
 
 class ClientGone(ConnectionError):
@@ -47,6 +49,7 @@ class RequestLimits:
     timeout_s: float
     block_timeout_s: float
     edits: list[str] | None = None  # the named registrations this request runs (None: all)
+    drain: Any = None  # the server's `Drain`: once it cuts, this request ends with `ServerShuttingDown`
     deadline: float = field(init=False)
     cancelled: threading.Event = field(default_factory=threading.Event)
     registered_saves: dict[str, dict[str, Any]] = field(default_factory=dict)  # request id -> edit -> saves
@@ -59,6 +62,8 @@ class RequestLimits:
         """Raise if the client went away or a limit passed (`block_seconds`: its block's current run)."""
         if self.cancelled.is_set():
             raise ClientGone("the client disconnected; its trace was aborted")
+        if self.drain is not None and self.drain.is_cut():
+            raise self.drain.error()
         if block_seconds > self.block_timeout_s:
             raise TimeoutError(f"the trace's block ran {block_seconds:.1f} s without reaching the model, over this "
                                f"server's limit of {self.block_timeout_s:g} s (a loop?); its requests were aborted")
@@ -70,10 +75,13 @@ class RequestLimits:
 class ServedLanguageModel(LanguageModel):
     """A LanguageModel serving many clients: limits, cancellation and registered edits per request."""
 
-    def __init__(self, model_or_path: Any, *, max_new_tokens: int, **engine_kwargs: Any) -> None:
+    def __init__(self, model_or_path: Any, *, max_new_tokens: int, block_timeout_s: float = 10.0,
+                 **engine_kwargs: Any) -> None:
         super().__init__(model_or_path, **engine_kwargs)
         object.__setattr__(self, "max_new_tokens_limit", max_new_tokens)
         object.__setattr__(self, "registry", Registry())
+        # Completions have no worker thread watching their blocks, as a trace has: this one does.
+        object.__setattr__(self, "edit_watchdog", EditWatchdog(self.engine, block_timeout_s, self.registry.fail))
         object.__setattr__(self, "_envoys", {envoy.path: envoy for envoy in self.modules()})
         self._envoys[self.path] = self
         object.__setattr__(self, "_request", threading.local())  # this thread's request: .limits, .prompt_ids
@@ -86,16 +94,24 @@ class ServedLanguageModel(LanguageModel):
         """The envoy at an nnsight module path (`model.model.layers.0`), or None."""
         return self._envoys.get(path)
 
-    def stats(self) -> dict[str, int]:
-        """What the engine holds now and its running totals (read without stopping it: a snapshot, for monitoring)."""
+    def stats(self) -> dict[str, Any]:
+        """What the engine holds now, its running totals, the edits that failed (a snapshot, for monitoring)."""
         runner = self.engine.runner
         return {
             "requests_in_flight": self.engine.num_requests_in_flight,
             "blocks_live": len(runner.nnsight_requests.live),
             "kv_pages_used": runner.allocator.num_pages - runner.allocator.num_free_pages,
             "edits_installed": len(self.registry.active()),
+            "edits_failed": self.registry.failures(),  # taken off the server (an edit that held the engine)
             **self.engine.step_counters(),  # forwards, batched_requests, ...: how well traces share forwards
         }
+
+    def shutdown(self, timeout_s: float = ENGINE_STOP_S) -> bool:
+        """Stop the engine (requests still in it fail); a block still running is interrupted, so it cannot hold it."""
+        self.edit_watchdog.stop()
+        running_blocks = self.engine.runner.interleaver.running_blocks
+        running_blocks.interrupt(list(running_blocks._stack))
+        return self.engine.shutdown(timeout_s)
 
     @property
     def tokenizer_fingerprint(self) -> str | None:
@@ -133,7 +149,12 @@ class ServedLanguageModel(LanguageModel):
             job.requests[req.request_id] = req
             attach_registered(job, registrations)
             req.extra_args["nnsight"] = job
+            self.edit_watchdog.watch(req, [invocation.mediator for invocation in job.invocations])
         return self.engine.submit_requests([req], stream=True)[0]
+
+    def abort_completion(self, request_id: str) -> None:
+        """End a completion early; a registered edit running on it is interrupted (it would hold the engine)."""
+        self.edit_watchdog.abort(request_id)
 
     # ---- what the tracer asks of the model ------------------------------------------------
     def _sampling_params(self, kind: str, kwargs: dict, prompt_len: int) -> SamplingParams:
@@ -170,10 +191,10 @@ class ServedLanguageModel(LanguageModel):
         limits.request_ids = list(job.requests)
         engine = self.engine
         engine.submit_requests(list(job.requests.values()), gang=True)
-        watch = _BlockWatch(engine.runner.interleaver.running_blocks, [inv.mediator for inv in job.invocations])
+        watch = BlockWatch(engine.runner.interleaver.running_blocks, [inv.mediator for inv in job.invocations])
         try:
             while not job.done.wait(POLL_S):
-                limits.check(watch.seconds_running())
+                self._check_limits(limits, watch)
         except BaseException as error:
             engine.abort(list(job.requests), error)
             # A block still running (a loop) holds the engine thread: the abort is only seen after it.
@@ -184,27 +205,12 @@ class ServedLanguageModel(LanguageModel):
             if job.done.is_set():
                 limits.registered_saves = detach_registered(job)
 
-
-class _BlockWatch:
-    """How long one of a trace's blocks has held the engine thread without parking.
-
-    A block is running if it is the innermost of the engine's running blocks; it has not parked
-    since the last look if its `pending` (replaced at every park) is the same object.
-    """
-
-    def __init__(self, running_blocks: Any, mediators: list[Any]) -> None:
-        self.running_blocks = running_blocks
-        self.mediators = mediators
-        self._seen: tuple[int, int] | None = None  # (mediator id, pending id) at the last look
-        self._since = 0.0
-
-    def seconds_running(self) -> float:
-        stack = list(self.running_blocks._stack)  # a snapshot; the engine thread pushes and pops
-        running = stack[-1] if stack else None
-        if running is None or not any(running is m for m in self.mediators):
-            self._seen = None
-            return 0.0
-        seen = (id(running), id(running.pending))
-        if seen != self._seen:
-            self._seen, self._since = seen, time.monotonic()
-        return time.monotonic() - self._since
+    def _check_limits(self, limits: RequestLimits, watch: BlockWatch) -> None:
+        """`limits.check`; a registered edit that held the engine too long is also taken off the server."""
+        seconds = watch.seconds_running()
+        registration = registration_of(watch.running)
+        if registration is not None and seconds > limits.block_timeout_s:
+            message = edit_timeout_message(registration, seconds, limits.block_timeout_s)
+            self.registry.fail(registration, message)
+            raise TimeoutError(message)
+        limits.check(seconds)

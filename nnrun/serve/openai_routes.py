@@ -2,9 +2,12 @@
 
 Each completion is one engine request on the same engine the traces use, so they batch
 together, and registered edits (a steering vector, say) apply to them too. One choice per
-request (`n=1`); `logprobs` and `echo` are not served. A model without a chat template sees a
-chat's messages as their contents joined by newlines. Tokens stream as they are sampled; a
-client that disconnects aborts its request (its KV pages are freed at the next step).
+request (`n=1`); fields that are not served are refused by name (`openai_protocol`). A model
+without a chat template sees a chat's messages as their contents joined by newlines. Tokens
+stream as they are sampled. Streamed or not, a client that disconnects is noticed within
+`DISCONNECT_POLL_S` and its request aborted (its KV pages are freed at the next step); a
+registered edit that holds the engine is ended by the server's `EditWatchdog`, and the
+completion answered with why.
 """
 
 from __future__ import annotations
@@ -15,48 +18,14 @@ import time
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, HTTPException, Request
-from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from fastapi.responses import Response, StreamingResponse
 
 from nnrun.outputs import RequestOutput
 from nnrun.sampling_params import SamplingParams
 from nnrun.serve.app import DISCONNECT_POLL_S
+from nnrun.serve.openai_protocol import ChatRequest, CompletionRequest, _Sampling
 
 router = APIRouter()
-
-
-class _Sampling(BaseModel):
-    """The sampling fields both routes share (other OpenAI fields are accepted and ignored)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    n: int = 1
-    stream: bool = False
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: Any = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[int]
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: str
-    content: str
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
 
 
 @router.get("/v1/models")
@@ -75,7 +44,7 @@ async def completions(body: CompletionRequest, request: Request) -> Any:
 async def chat_completions(body: ChatRequest, request: Request) -> Any:
     state = request.app.state.serve
     model = state.ready_model()
-    prompt = _chat_prompt(model.tokenizer, [m.model_dump() for m in body.messages])
+    prompt = _chat_prompt(model.tokenizer, body.chat_messages())
     max_tokens = body.max_completion_tokens or body.max_tokens or state.config.max_new_tokens
     return await _complete(request, body, prompt, max_tokens, chat=True)
 
@@ -86,8 +55,7 @@ async def _complete(request: Request, body: _Sampling, prompt: Any, max_tokens: 
     if body.model not in (state.config.served_model_name, state.config.model):
         raise HTTPException(status_code=404, detail=f"the model {body.model!r} does not exist; this server serves "
                                                     f"{state.config.served_model_name!r}")
-    if body.n != 1 or body.logprobs:
-        raise HTTPException(status_code=400, detail="this server returns one choice (n=1) and no logprobs")
+    body.refuse_unserved()
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                 stop=body.stop, seed=body.seed, presence_penalty=body.presence_penalty,
@@ -99,23 +67,24 @@ async def _complete(request: Request, body: _Sampling, prompt: Any, max_tokens: 
     meta = {"id": handle.request_id, "created": int(time.time()), "model": body.model}
     deadline = time.monotonic() + state.config.request_timeout_s
     if body.stream:
-        return StreamingResponse(_stream(state, handle, meta, chat, deadline), media_type="text/event-stream")
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(_stream(state, handle, meta, chat, deadline, include_usage),
+                                 media_type="text/event-stream")
     last = None
-    try:
-        async for last in _outputs(state, handle, deadline, request):
-            pass
-    except HTTPException:
-        raise
-    except Exception as error:  # a registered edit that failed on this request
-        raise HTTPException(status_code=500, detail=f"{type(error).__name__}: {error}") from None
+    async for last in _outputs(state, handle, deadline, request):
+        pass
+    if last is None or not last.finished:
+        return Response(status_code=499)  # the client left: nobody reads this
     return _response(meta, last, chat)
 
 
 async def _outputs(state: Any, handle: Any, deadline: float, request: Request | None = None
                    ) -> AsyncIterator[RequestOutput]:
-    """The request's outputs as they come; aborts it if the client leaves or the deadline passes.
+    """The request's outputs as they come; aborts it if the client leaves, a deadline passes or a drain cuts it.
 
     A worker thread follows the engine's stream (it blocks) and hands each output to this loop.
+    The client and the deadlines are looked at every `DISCONNECT_POLL_S` whether outputs come or
+    not (a generation yields one every step, so looking only when none came would never look).
     """
     loop = asyncio.get_running_loop()
     outputs: asyncio.Queue = asyncio.Queue()
@@ -129,28 +98,46 @@ async def _outputs(state: Any, handle: Any, deadline: float, request: Request | 
 
     loop.run_in_executor(state.executor, follow)
     finished = False
+    next_look = time.monotonic() + DISCONNECT_POLL_S
     try:
         while not finished:
             try:
                 item = await asyncio.wait_for(outputs.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if time.monotonic() > deadline:
-                    raise HTTPException(status_code=504, detail="the request ran past this server's time limit")
+                item = None
+            if time.monotonic() >= next_look:
+                next_look = time.monotonic() + DISCONNECT_POLL_S
+                state.check_deadlines(deadline)
                 if request is not None and await request.is_disconnected():
                     return
+            if item is None:
                 continue
             if isinstance(item, BaseException):
                 finished = True
-                raise item
+                raise _request_error(state, handle, item)
             finished = item.finished
             yield item
     finally:
         if not finished:
-            state.model.engine.abort([handle.request_id])
+            state.model.abort_completion(handle.request_id)
 
 
-async def _stream(state: Any, handle: Any, meta: dict, chat: bool, deadline: float) -> AsyncIterator[str]:
-    """Server-sent events: one chunk per new piece of text, then the finish reason, then [DONE]."""
+def _request_error(state: Any, handle: Any, error: BaseException) -> HTTPException:
+    """What a failed completion answers: why the server ended its edit, or the edit's own error."""
+    why = state.model.edit_watchdog.failure(handle.request_id)
+    if why is not None:
+        return HTTPException(status_code=500, detail=why)
+    return HTTPException(status_code=500, detail=f"a registered edit failed on this request: "
+                                                f"{type(error).__name__}: {error}")
+
+
+async def _stream(state: Any, handle: Any, meta: dict, chat: bool, deadline: float,
+                  include_usage: bool = False) -> AsyncIterator[str]:
+    """Server-sent events: one chunk per new piece of text, then the finish reason, then [DONE].
+
+    A stream that cannot finish (an edit failed, a deadline passed, the server is draining) ends
+    with an error event before [DONE], never cut short without a word.
+    """
     sent = ""
     kind = "chat.completion.chunk" if chat else "text_completion"
     if chat:
@@ -164,6 +151,8 @@ async def _stream(state: Any, handle: Any, meta: dict, chat: bool, deadline: flo
             if delta or reason:
                 piece = {"delta": {"content": delta}} if chat else {"text": delta}
                 yield _event(meta, kind, {"index": 0, **piece, "finish_reason": reason})
+            if output.finished and include_usage:
+                yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [], 'usage': _usage(output)})}\n\n"
     except Exception as error:
         detail = error.detail if isinstance(error, HTTPException) else f"{type(error).__name__}: {error}"
         yield f"data: {json.dumps({'error': {'message': detail}})}\n\n"
@@ -181,10 +170,13 @@ def _response(meta: dict, output: RequestOutput, chat: bool) -> dict:
         choice = {"index": 0, "message": {"role": "assistant", "content": completion.text}, "finish_reason": reason}
     else:
         choice = {"index": 0, "text": completion.text, "finish_reason": reason, "logprobs": None}
-    num_prompt, num_completion = len(output.prompt_token_ids), len(completion.token_ids)
     return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-            "usage": {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-                      "total_tokens": num_prompt + num_completion}}
+            "usage": _usage(output)}
+
+
+def _usage(output: RequestOutput) -> dict[str, int]:
+    num_prompt, num_completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion}
 
 
 def _chat_prompt(tokenizer: Any, messages: list[dict]) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,8 @@ from nnsight.intervention.interleaver import Mediator
 from interleaver.mediator import PackedMediator
 from interleaver.requests import Invocation, TraceJob
 from nnrun.serve.payload import PayloadError, ServerObjects, load_block
+
+MAX_KEPT_FAILURES = 64  # failed edits remembered for /health and their registrants
 
 
 @dataclass(frozen=True)
@@ -35,15 +38,18 @@ class Registration:
 
     def copy(self) -> PackedMediator:
         """A fresh mediator for one request: its own scope, so its saves are that request's."""
-        return PackedMediator(self.code, self.glbls, dict(self.lcls))
+        mediator = PackedMediator(self.code, self.glbls, dict(self.lcls))
+        mediator.registration = self  # who to blame if it holds the engine (`block_watch`)
+        return mediator
 
 
 class Registry:
-    """The edits installed on this server (thread-safe)."""
+    """The edits installed on this server (thread-safe), and the ones it took off because they failed."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._registrations: dict[str, Registration] = {}
+        self._failures: OrderedDict[str, dict[str, Any]] = OrderedDict()  # id -> {"id", "name", "error"}
 
     def register(self, registration_id: str, payload: bytes, name: str | None, model: Any) -> Registration:
         """Install (or replace) the block in `payload` under `registration_id`."""
@@ -69,6 +75,30 @@ class Registry:
         with self._lock:
             ids = list(self._registrations) if registration_id is None else [registration_id]
             return [rid for rid in ids if self._registrations.pop(rid, None) is not None]
+
+    def fail(self, registration: Registration, error: str) -> None:
+        """Take an edit off the server because it held the engine; its registrant can read why (`status`)."""
+        with self._lock:
+            if self._registrations.get(registration.id) is registration:
+                del self._registrations[registration.id]
+            self._failures[registration.id] = {"id": registration.id, "name": registration.name, "error": error}
+            while len(self._failures) > MAX_KEPT_FAILURES:
+                self._failures.popitem(last=False)
+
+    def status(self, registration_id: str) -> dict[str, Any]:
+        """`{"status": "active" | "failed" | "unknown", "error": ...}` for one registration id."""
+        with self._lock:
+            if registration_id in self._registrations:
+                return {"id": registration_id, "status": "active", "error": None}
+            failure = self._failures.get(registration_id)
+        if failure is not None:
+            return {**failure, "status": "failed"}
+        return {"id": registration_id, "status": "unknown", "error": None}
+
+    def failures(self) -> list[dict[str, Any]]:
+        """The edits taken off because they failed, oldest first (the last `MAX_KEPT_FAILURES`)."""
+        with self._lock:
+            return list(self._failures.values())
 
     def active(self, wanted: list[str] | None = None) -> list[Registration]:
         """The registrations a request runs: all, or the named ones in `wanted` plus every unnamed one."""

@@ -111,7 +111,8 @@ async def generate(state: Any, scope: Scope, receive: Receive) -> bytes:
     blob = await read_asgi_body(receive, content_length.decode("latin-1") if content_length is not None else None,
                                 state.config.max_body_bytes)
     edits = parse_qs(scope["query_string"].decode("latin-1")).get("edits")
-    limits = RequestLimits(state.config.request_timeout_s, state.config.block_timeout_s, edits=edits)
+    limits = RequestLimits(state.config.request_timeout_s, state.config.block_timeout_s, edits=edits,
+                           drain=state.drain)
     raw_tensors = headers.get(RESULT_FORMAT_HEADER.encode()) == RAW_TENSORS.encode()
     work = asyncio.get_running_loop().run_in_executor(state.executor, run_trace, model, blob, limits, raw_tensors)
     return await state.wait_or_cancel(ClientWatch(receive), work, limits.cancelled)
@@ -149,6 +150,12 @@ async def register(registration_id: str, request: Request, name: str | None = No
         raise HTTPException(status_code=400, detail=str(error)) from None
     logger.info("installed edit %s%s", registration_id, f" ({name})" if name else "")
     return {"status": "ok", "id": registration_id, "name": name}
+
+
+@router.get("/v1/nnsight/register/{registration_id}")
+async def registration_status(registration_id: str, request: Request) -> dict:
+    """Whether an edit is installed, or was taken off because it failed (and why)."""
+    return request.app.state.serve.ready_model().registry.status(registration_id)
 
 
 @router.post("/v1/nnsight/register/{registration_id}/clear")

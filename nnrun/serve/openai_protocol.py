@@ -1,0 +1,128 @@
+"""The OpenAI request bodies this server takes: every field served with OpenAI's meaning, or refused by name.
+
+A field a client sets is never silently ignored when it would change the answer: unknown fields,
+wrong types (`stream="yes"`), out-of-range values (`max_tokens=0`) and fields whose OpenAI meaning
+is not served (`echo`, `logprobs`, `best_of` above 1, tools) are answered 400 naming the field.
+Fields that do not change the answer (`user`, `metadata`, `store`, `service_tier`) are accepted.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar
+
+from fastapi import HTTPException
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+PositiveTokens = Annotated[StrictInt, Field(ge=1)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: StrictBool = False  # a last chunk with the usage and no choices
+
+
+class _Sampling(BaseModel):
+    """The fields both routes share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    n: StrictInt = 1
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
+    seed: StrictInt | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: StrictStr | None = None  # who asked, for the operator's logs: no effect on the answer
+
+    # Fields whose OpenAI meaning this server does not serve: refused unless left at what does nothing.
+    unserved: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def refuse_unserved(self) -> None:
+        """400 naming the first field set to something this server would not honour."""
+        if self.n != 1:
+            raise _refused("n", self.n, "this server returns one choice per request (n=1)")
+        if self.logit_bias:
+            raise _refused("logit_bias", self.logit_bias, "token biases are not served")
+        if self.stream_options is not None and not self.stream:
+            raise _refused("stream_options", self.stream_options.model_dump(), "it is only for stream=true")
+        for name, allowed in self.unserved.items():
+            value = getattr(self, name)
+            if not any(value == a and type(value) is type(a) for a in allowed):
+                raise _refused(name, value, "not served by this server")
+
+
+class CompletionRequest(_Sampling):
+    prompt: StrictStr | Annotated[list[StrictInt], Field(min_length=1)]
+    max_tokens: PositiveTokens | None = None  # OpenAI's default: 16
+    echo: StrictBool = False
+    suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
+    logprobs: StrictInt | None = None
+
+    unserved: ClassVar[dict[str, tuple[Any, ...]]] = {"echo": (False,), "suffix": (None,), "best_of": (None, 1), "logprobs": (None,)}
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: StrictStr
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Annotated[StrictStr, Field(pattern="^(system|developer|user|assistant)$")]
+    content: StrictStr | list[TextPart]
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        for part in self.content:
+            if part.type != "text":
+                raise _refused("messages.content.type", part.type, "only text parts are served")
+        return "".join(part.text for part in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: PositiveTokens | None = None
+    max_completion_tokens: PositiveTokens | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    store: StrictBool | None = None  # whether OpenAI keeps the answer: nothing is kept here anyway
+    metadata: dict[str, StrictStr] | None = None
+    service_tier: StrictStr | None = None
+    reasoning_effort: StrictStr | None = None
+    modalities: list[StrictStr] | None = None
+
+    unserved: ClassVar[dict[str, tuple[Any, ...]]] = {"logprobs": (None, False), "top_logprobs": (None,), "tools": (None,), "tool_choice": (None,),
+                "functions": (None,), "function_call": (None,), "reasoning_effort": (None,),
+                "modalities": (None, ["text"])}
+
+    def refuse_unserved(self) -> None:
+        super().refuse_unserved()
+        if self.response_format not in (None, {"type": "text"}):
+            raise _refused("response_format", self.response_format, "only plain text is served")
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        """The messages as a chat template takes them."""
+        return [{"role": message.role, "content": message.text()} for message in self.messages]
+
+
+def _refused(name: str, value: Any, why: str) -> HTTPException:
+    return HTTPException(status_code=400, detail=f"{name}={value!r} is refused: {why}")
