@@ -8,6 +8,7 @@ ranks, so seeded sampling gives the same tokens as with one rank.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Any
 
@@ -51,6 +52,9 @@ class TensorParallelRunner(ModelRunner):
         model_config = self.config.model
         tp_size = self.config.parallel.tensor_parallel_size
         _refuse_sources_without_checkpoint(model_config.model, model_config.load_format, tp_size)
+        if importlib.util.find_spec("accelerate") is None:
+            raise ValueError(f"tensor_parallel_size={tp_size} needs the accelerate package (transformers shards a "
+                             "checkpoint over ranks with it): pip install 'nnrun[tp]'")
         self.checkpoint = _resolve_path(model_config.model)
         self.model_name = model_config.model
         hf_config = AutoConfig.from_pretrained(self.checkpoint, revision=model_config.revision,

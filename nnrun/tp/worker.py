@@ -28,6 +28,9 @@ from nnrun.model_runner import ModelRunner
 from nnrun.tp import wire
 
 PARENT_POLL_S = 0.5  # how often a rank checks that its front end is still alive
+# A rank's collectives wait this much longer than the front end waits for a step, so that a hung
+# peer is reported by the front end as a hang (and the group stopped), not by rank 0 as a timeout.
+COLLECTIVE_TIMEOUT_FACTOR = 1.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +42,7 @@ class RankSpec:
     store_port: int
     checkpoint: str  # a resolved checkpoint folder or hub id
     config: EngineConfig  # the front end's config, without its tokenizer
-    timeout_s: float  # collectives and the rendezvous give up after this long
+    timeout_s: float  # the front end's step timeout; collectives give up a little later (the front end speaks first)
     num_threads: int  # torch threads on a CPU rank
 
 
@@ -101,9 +104,10 @@ def _start(spec: RankSpec) -> ShardRunner:
     else:
         torch.set_num_threads(spec.num_threads)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks share this machine: loopback only
-    store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False, timeout=timedelta(seconds=spec.timeout_s))
+    timeout = timedelta(seconds=spec.timeout_s * COLLECTIVE_TIMEOUT_FACTOR)
+    store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False, timeout=timeout)
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=dist.PrefixStore("nnrun-tp", store),
-                            rank=spec.rank, world_size=spec.world_size, timeout=timedelta(seconds=spec.timeout_s))
+                            rank=spec.rank, world_size=spec.world_size, timeout=timeout)
     device_config = dataclasses.replace(spec.config.device, device=device, enable_cuda_graphs=False)
     device_config.torch_dtype = spec.config.device.torch_dtype
     config = dataclasses.replace(spec.config, device=device_config)

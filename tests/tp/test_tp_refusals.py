@@ -1,0 +1,58 @@
+"""What tensor parallelism refuses at load, by name, before any rank process starts."""
+
+import pytest
+import torch
+
+import nnrun
+from nnrun import LLM
+from nnrun.cli import main as cli_main
+from nnrun.config import EngineConfig
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("value", [0, -2, "2", True, 1.5])
+def test_tensor_parallel_size_must_be_a_positive_integer(value):
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        EngineConfig.from_kwargs("tiny-facts", tensor_parallel_size=value)
+
+
+def test_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="tensor_parallel_timeout must be positive"):
+        EngineConfig.from_kwargs("tiny-facts", tensor_parallel_timeout=0)
+
+
+def test_a_model_without_a_plan_is_refused():
+    # GPT-2 has no `base_model_tp_plan` in transformers
+    with pytest.raises(ValueError, match="GPT2LMHeadModel .*has no tensor-parallel plan"):
+        LLM("tiny-facts-gpt2", tensor_parallel_size=2)
+
+
+def test_heads_that_do_not_divide_are_refused_with_the_sizes_that_work():
+    # tiny-facts: 4 attention heads, 2 KV heads, MLP 512, vocabulary 768
+    with pytest.raises(ValueError, match=r"does not divide LlamaForCausalLM's attention heads \(num_attention_heads=4\)"
+                                         r".*: 1, 2$"):
+        LLM("tiny-facts", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"KV heads \(num_key_value_heads=2\).*: 1, 2$"):
+        LLM("tiny-facts", tensor_parallel_size=4)
+
+
+def test_sources_without_a_checkpoint_are_refused():
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(nnrun.bundled_model_path("tiny-facts"), dtype=torch.float32)
+    with pytest.raises(ValueError, match="in-memory LlamaForCausalLM. Save it first"):
+        LLM(model, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="load_format='dummy' is not supported"):
+        LLM("tiny-facts", tensor_parallel_size=2, load_format="dummy")
+
+
+def test_interventions_are_refused_by_name():
+    with pytest.raises(NotImplementedError, match="nnrun.LanguageModel"):
+        nnrun.LanguageModel("tiny-facts", tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("command", [["serve", "tiny-facts"], ["extract", "--model", "tiny-facts", "--out", "x"]])
+def test_commands_refuse_tensor_parallel_by_name(command, capsys):
+    assert cli_main([*command, "--tensor-parallel-size", "2"]) == 2
+    assert f"nnrun {command[0]} does not run on tensor-parallel ranks yet" in capsys.readouterr().err
