@@ -1,4 +1,10 @@
-"""Read an extraction folder: per-prompt activations and token ids, memory-mapped from the shards."""
+"""Read an extraction folder: per-prompt activations and token ids, memory-mapped from the shards.
+
+Each shard's bytes are checked against the manifest's size and sha256 the first time the store
+maps it (a read of one of its prompts, or `tokens()` reaching it), so damaged data is never
+returned silently. Hashing reads the file once at about 1.5 GB/s, page-cached (0.07 s for a
+99 MB folder), and the read that follows finds its pages in the cache.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ import operator
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from safetensors import safe_open
@@ -14,19 +20,25 @@ from safetensors import safe_open
 from nnrun.extract.manifest import Manifest
 from nnrun.extract.shards import TOKEN_IDS_KEY, activation_key
 from nnrun.extract.stream import TokenActivationStream
-from nnrun.extract.verify import verify_folder
+from nnrun.extract.verify import Damage, DamagedFolderError, file_sha256, verify_folder
 
 _MAX_OPEN_SHARDS = 64  # open safe_open handles kept; each holds a file descriptor and a mapping
 
 
-def load_activations(out_dir: str | Path, verify: bool = False) -> "ActivationStore":
+VERIFY_ON_READ = "on_read"
+
+
+def load_activations(out_dir: str | Path, verify: bool | Literal["on_read"] = VERIFY_ON_READ) -> "ActivationStore":
     """Open an extraction folder written by `nnrun.extract` (complete or not) for reading.
 
-    `verify=True` first reads every shard in full and checks it against the manifest (size,
-    sha256, the prompt table's offsets), raising DamagedFolderError that names each bad file.
+    `verify`: "on_read" (the default) checks each shard's size and sha256 the first time it is
+    read, raising DamagedFolderError naming the file; True checks the whole folder now (every
+    shard read in full, and the prompt table against them); False checks nothing.
     """
-    store = ActivationStore(out_dir)
-    if verify:
+    if verify not in (True, False, VERIFY_ON_READ):
+        raise ValueError(f"verify must be True, False or {VERIFY_ON_READ!r}, got {verify!r}")
+    store = ActivationStore(out_dir, verify_on_read=verify == VERIFY_ON_READ)
+    if verify is True:
         verify_folder(store.out_dir, store.manifest)
     return store
 
@@ -39,8 +51,10 @@ class ActivationStore:
     memory-maps the files: only the rows asked for are read, and a store larger than RAM works.
     """
 
-    def __init__(self, out_dir: str | Path) -> None:
+    def __init__(self, out_dir: str | Path, verify_on_read: bool = True) -> None:
         self.out_dir = Path(out_dir)
+        self.verify_on_read = verify_on_read
+        self._verified: set[int] = set()  # shards whose bytes matched the manifest (checked once per store)
         manifest = Manifest.load(self.out_dir)
         if manifest is None:
             raise FileNotFoundError(f"{self.out_dir} holds no extraction (no manifest.json)")
@@ -114,11 +128,32 @@ class ActivationStore:
         if module not in self.modules:
             raise KeyError(f"module {module!r} was not extracted; the store holds {self.modules}")
         files = [str(self.out_dir / shard.file) for shard in self.manifest.shards]
-        return TokenActivationStream(files, activation_key(module), shuffle=shuffle, seed=seed, batch_size=batch_size)
+        return TokenActivationStream(files, activation_key(module), shuffle=shuffle, seed=seed, batch_size=batch_size,
+                                     check_shard=self.check_shard if self.verify_on_read else None)
+
+    def check_shard(self, shard: int) -> None:
+        """Raise DamagedFolderError unless the shard file has the manifest's size and sha256 (hashed once)."""
+        if shard in self._verified:
+            return
+        info = self.manifest.shards[shard]
+        path = self.out_dir / info.file
+        problem = None
+        if not path.is_file():
+            problem = "is missing"
+        elif (size := path.stat().st_size) != info.num_bytes:
+            problem = f"has {size} bytes, the manifest lists {info.num_bytes}"
+        elif (sha256 := file_sha256(path)) != info.sha256:
+            problem = (f"has sha256 {sha256[:16]}..., the manifest lists {info.sha256[:16]}...: its bytes changed "
+                       "after it was written")
+        if problem is not None:
+            raise DamagedFolderError(self.out_dir, [Damage(info.file, problem, shard)])
+        self._verified.add(shard)
 
     def _shard(self, shard: int) -> Any:
         handle = self._handles.get(shard)
         if handle is None:
+            if self.verify_on_read:
+                self.check_shard(shard)
             handle = safe_open(str(self.out_dir / self.manifest.shards[shard].file), framework="pt")
             self._handles[shard] = handle
             if len(self._handles) > _MAX_OPEN_SHARDS:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from safetensors import safe_open
@@ -19,7 +19,7 @@ class TokenActivationStream(IterableDataset):
     """
 
     def __init__(self, files: list[str], key: str, *, shuffle: bool = False, seed: int = 0,
-                 batch_size: int | None = None) -> None:
+                 batch_size: int | None = None, check_shard: Callable[[int], None] | None = None) -> None:
         if batch_size is not None and batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         self.files = list(files)
@@ -27,6 +27,7 @@ class TokenActivationStream(IterableDataset):
         self.shuffle = shuffle
         self.seed = seed
         self.batch_size = batch_size
+        self.check_shard = check_shard  # called with a shard's index before it is read (the store's sha256 check)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -47,6 +48,8 @@ class TokenActivationStream(IterableDataset):
         worker = get_worker_info()
         mine = list(order)[worker.id :: worker.num_workers] if worker is not None else list(order)
         for shard in mine:
+            if self.check_shard is not None:
+                self.check_shard(shard)
             with safe_open(self.files[shard], framework="pt") as f:
                 rows = f.get_tensor(self.key)  # [R, *shape]
             if self.shuffle:
