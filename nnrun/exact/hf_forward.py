@@ -47,6 +47,7 @@ class HFForward:
         self.cache_argument: str | None = None  # learned from the first forward's output
         self.keeps_cache = True  # until a forward shows the model returns no cache
         self.caches: dict[str, RequestCache] = {}
+        self.reason: str | None = None  # why the model runs on the exact path (set by the path choice)
 
     # ---- layout ---------------------------------------------------------------------------
     def forward_batch(self, req: Request, wants_prompt_logits: bool) -> ForwardBatch:

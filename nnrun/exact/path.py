@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -44,7 +45,8 @@ def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFF
     family = family_of(model)
     hf = HFForward(model, runner.device)
     prompts = probe_prompts(model.get_input_embeddings().num_embeddings, _special_ids(model), _shortest_window(runner))
-    references = hf_references(hf, prompts, family)
+    with hf_attention(model):
+        references = hf_references(hf, prompts, family)
     reason = packed_unfit or packed_path_difference(runner, prompts, references)
     if reason is None:
         return None
@@ -52,7 +54,33 @@ def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFF
     log("%s runs on nnrun's exact path (one HF forward per request, with HF's own cache; slower than packed): %s",
         family, reason)
     hf.caches.clear()
+    hf.reason = reason
+    _set_attention(model, own_attention(model))  # from now on the model runs as HF runs it
     return hf
+
+
+def own_attention(model: torch.nn.Module) -> str:
+    """The attention implementation HF gives this model by default (sdpa where it can, else eager)."""
+    try:
+        return model.get_correct_attn_implementation(None)
+    except (ValueError, ImportError, AttributeError):
+        return "eager"
+
+
+@contextmanager
+def hf_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block the model attends with its own HF implementation, not the engine's paged one."""
+    current = model.config._attn_implementation
+    _set_attention(model, own_attention(model))
+    try:
+        yield
+    finally:
+        _set_attention(model, current)
+
+
+def _set_attention(model: torch.nn.Module, implementation: str) -> None:
+    if model.config._attn_implementation != implementation and type(model)._can_set_attn_implementation():
+        model.set_attn_implementation(implementation)
 
 
 def _special_ids(model: torch.nn.Module) -> set[int]:

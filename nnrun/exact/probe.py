@@ -107,7 +107,10 @@ def packed_path_difference(runner: "ModelRunner", prompts: list[ProbePrompt],
                            references: list[Reference]) -> str | None:
     """What differs between the packed path and HF on the probe prompts, or None if nothing does."""
     rtol = relative_tolerance(runner.dtype)
-    prefills, decodes = _run_packed(runner, prompts)
+    try:
+        prefills, decodes = _run_packed(runner, prompts)
+    except Exception as error:  # a packed step that fails is a packed path that cannot serve this model
+        return f"the packed forward fails ({type(error).__name__}: {error})"
     for prompt, reference, prefill, decode in zip(prompts, references, prefills, decodes):
         error = differs(prefill, reference.prefill[-prefill.shape[0]:], rtol)
         if error is not None:
@@ -138,7 +141,7 @@ def _run_packed(runner: "ModelRunner", prompts: list[ProbePrompt], with_decode: 
         forward_batch = packed_forward_batch(reqs, ForwardMode.EXTEND, runner.req_to_token_pool.req_to_token,
                                              runner.allocator.page_size, [not last_only and (len(reqs) == 1 or row != 1) for row in range(len(reqs))])
         output = ModelRunner.forward(runner, forward_batch)  # the plain packed step, whatever the subclass
-        for row, prompt_logits in enumerate(output.prompt_logits):
+        for row, prompt_logits in enumerate(output.prompt_logits or [None] * len(reqs)):
             last = output.next_token_logits[row : row + 1]  # [1, V]
             prefills.append(last if prompt_logits is None else torch.cat([prompt_logits, last]))
         if not with_decode:

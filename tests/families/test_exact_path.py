@@ -1,0 +1,187 @@
+"""The load-time exactness probe and the exact path: never serve numbers that differ from the model's own HF forward."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import nnrun
+from families.tiny import tiny_model
+from nnrun import SamplingParams
+from nnrun.extract import extract, load_activations
+
+PROMPTS = [[5, 17, 33, 2, 41], [8, 9, 60, 61, 62, 70, 71, 90, 91, 92, 99], [30, 31, 32]]
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int = 4) -> list[int]:
+    """HF's own greedy generation of one prompt alone, with HF's own cache (no EOS: every step runs)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return ids[0, len(prompt):].tolist()
+
+
+def tokens_of(outputs) -> list[list[int]]:
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+class RunningMeanLayer(torch.nn.Module):
+    """Adds the causal running mean of its input over the sequence: in one packed batch, that mixes requests."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, T, H]
+        counts = torch.arange(1, hidden.shape[1] + 1, device=hidden.device)[None, :, None]
+        return hidden + hidden.cumsum(dim=1) / counts
+
+
+class NumbersItsOwnPositions(LlamaForCausalLM):
+    """A model that ignores the position ids it is given and counts from its cache, as some HF families do."""
+
+    def forward(self, *args, position_ids=None, **kwargs):
+        return super().forward(*args, **kwargs)
+
+
+def test_probe_keeps_an_exact_model_on_the_packed_path():
+    with nnrun.LLM(tiny_llama()) as llm:
+        assert llm.runner.exact_forward is None
+        assert llm.runner.layers  # the paged KV pool serves its attention layers
+
+
+def test_probe_sends_a_model_that_mixes_packed_requests_to_the_exact_path(caplog):
+    model = tiny_llama()
+    model.model.layers[0].mlp.act_fn = torch.nn.Sequential(model.model.layers[0].mlp.act_fn, RunningMeanLayer())
+    expected = [hf_greedy(model, prompt) for prompt in PROMPTS]
+    with caplog.at_level(logging.WARNING, logger="nnrun.exact.path"):
+        llm = nnrun.LLM(model)
+    with llm:
+        assert llm.runner.exact_forward is not None
+        assert tokens_of(llm.generate(PROMPTS, GREEDY)) == expected
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 1 and "llama" in messages[0] and "only when packed with other prompts" in messages[0]
+
+
+def test_probe_sends_a_model_that_ignores_position_ids_to_the_exact_path():
+    torch.manual_seed(0)
+    model = NumbersItsOwnPositions(tiny_llama().config).eval()
+    expected = [hf_greedy(model, prompt) for prompt in PROMPTS]
+    with nnrun.LLM(model) as llm:
+        assert llm.runner.exact_forward is not None
+        assert "differ from HF's" in llm.runner.exact_forward.reason
+        assert tokens_of(llm.generate(PROMPTS, GREEDY)) == expected
+
+
+def test_forward_path_must_be_auto_or_exact():
+    with pytest.raises(ValueError, match="ModelConfig.forward_path must be 'auto' or 'exact', got 'fast'"):
+        nnrun.LLM(tiny_llama(), forward_path="fast")
+
+
+def test_forced_exact_path_gives_the_packed_path_numbers():
+    model = tiny_llama()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=2, logprobs=2)
+    with nnrun.LLM(model) as packed, nnrun.LLM(copy.deepcopy(model), forward_path="exact") as exact:
+        assert packed.runner.exact_forward is None and exact.runner.exact_forward is not None
+        ours, theirs = exact.generate(PROMPTS, params), packed.generate(PROMPTS, params)
+    assert tokens_of(ours) == tokens_of(theirs)
+    for a, b in zip(ours, theirs):
+        for position_a, position_b in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert position_a.keys() == position_b.keys()
+            # fp32 logprobs of two forwards that sum in different orders: equal up to rounding.
+            assert all(abs(position_a[t] - position_b[t]) <= 1e-4 * (1 + abs(position_b[t])) for t in position_a)
+
+
+def test_exact_path_preempts_and_resumes_requests_with_their_own_cache():
+    model = tiny_model("gptj")
+    expected = [hf_greedy(model, prompt, 12) for prompt in PROMPTS]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with nnrun.LLM(model, page_size=4, max_total_tokens=40) as llm:  # too few pages for all three at once
+        assert llm.runner.exact_forward is not None
+        assert tokens_of(llm.generate(PROMPTS, params)) == expected
+        assert llm.core.scheduler.num_preemptions > 0
+        assert llm.runner.exact_forward.caches == {}  # finished requests leave no HF cache behind
+
+
+def test_exact_path_streams_and_isolates_concurrent_requests():
+    model = tiny_model("mamba")
+    expected = [hf_greedy(model, prompt) for prompt in PROMPTS]
+    with nnrun.LLM(model) as llm:
+        assert llm.runner.exact_forward is not None
+        with llm.paused():  # all three in the same steps
+            handles = [llm.submit(prompt, GREEDY, stream=True) for prompt in PROMPTS]
+        streamed = [[list(output.outputs[0].token_ids) for output in handle.stream()] for handle in handles]
+    assert [steps[-1] for steps in streamed] == expected
+    assert all(len(steps) == 4 for steps in streamed)
+
+
+def test_exact_path_extracts_each_prompts_own_values(tmp_path):
+    model = tiny_model("gpt_neo")
+    modules = ["transformer.h.0", "transformer.h.1.mlp", "transformer.ln_f"]
+    with nnrun.LLM(model) as llm:
+        assert llm.runner.exact_forward is not None
+        extract(llm, PROMPTS, modules, tmp_path, progress=False)
+    store = load_activations(tmp_path)
+    for i, prompt in enumerate(PROMPTS):
+        captured = {}
+        handles = [model.get_submodule(path).register_forward_hook(
+            lambda m, a, out, path=path: captured.__setitem__(path, (out[0] if isinstance(out, tuple) else out)[0]))
+            for path in modules]
+        with torch.no_grad():
+            model(input_ids=torch.tensor([prompt]))
+        for handle in handles:
+            handle.remove()
+        for path in modules:
+            # the same HF forward of the same prompt: equal up to fp32 rounding of the stored copy
+            torch.testing.assert_close(store[i][path], captured[path], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def nnsight_models():
+    from conformance.models import hf_language_model, tiny_llama as conformance_llama, tiny_tokenizer, twin
+
+    tokenizer = tiny_tokenizer()
+    model = conformance_llama()
+    oracle = hf_language_model(twin(model), tokenizer)
+    ours = nnrun.LanguageModel(model, tokenizer=tokenizer, forward_path="exact")
+    yield oracle, ours, tokenizer
+    ours.shutdown()
+
+
+# Scenarios whose invokes each hold one prompt (an invoke over several prompts is refused below).
+NNSIGHT_SCENARIOS = ("save_layer_outputs", "invokes_of_different_lengths", "activation_patching",
+                     "steering_during_generation", "gradient_of_loss", "generate_several_invokes", "skip_layer",
+                     "source_attention_interface", "iter_over_generated_tokens", "session_shares_values")
+
+
+@pytest.mark.parametrize("name", NNSIGHT_SCENARIOS)
+def test_exact_path_serves_nnsight_like_hf(nnsight_models, name):
+    from conformance.compare import assert_same
+    from conformance.scenarios import SCENARIOS
+
+    oracle, ours, tokenizer = nnsight_models
+    assert ours.engine.runner.exact_forward is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_same(SCENARIOS[name](oracle, tokenizer), SCENARIOS[name](ours, tokenizer), name)
+
+
+def test_exact_path_refuses_an_invoke_over_several_prompts_by_name(nnsight_models):
+    _, ours, _ = nnsight_models
+    with pytest.raises(ValueError, match="exact path .* give each prompt its own tracer.invoke"):
+        with ours.trace(["the cat sat", "the dog ran fast"]):
+            ours.model.layers[0].output.save()
+    with ours.trace("the cat sat"):  # the engine goes on serving
+        hidden = ours.model.layers[0].output.save()
+    assert hidden.shape[:2] == (1, 3)

@@ -1,0 +1,33 @@
+"""The family sweep's representative sample (fast tier): each family exact against HF, or refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from families.sweep import check_family
+
+# One family per way a model can meet nnrun: attention on transformers' interface (llama), attention
+# sinks (gpt_oss), attention outside the interface (gptj), a state-space model (mamba), positions
+# numbered from an offset (roberta), a hybrid of linear attention and attention (qwen3_next), and a
+# model whose own HF forward fails without a setting a user must make first (xmod's language).
+SAMPLE = ("llama", "gpt_oss", "gptj", "mamba", "roberta", "qwen3_next", "xmod")
+
+
+@pytest.mark.parametrize("model_type", SAMPLE)
+def test_family_is_exact_or_refused_by_name(model_type):
+    result = check_family(model_type)  # raises if nnrun's numbers differ from HF's
+    assert result.path in ("packed", "exact", "refused"), f"{model_type}: {result.path} ({result.detail})"
+    if result.path == "refused":
+        assert model_type in result.detail
+
+
+def test_models_off_the_attention_interface_run_exact_instead_of_crashing():
+    result = check_family("gptj")
+    assert result.path == "exact"
+    assert "attention interface" in result.detail
+
+
+def test_a_model_whose_own_forward_fails_is_refused_naming_family_and_reason():
+    result = check_family("xmod")
+    assert result.path == "refused"
+    assert "xmod" in result.detail and "Input language unknown" in result.detail
