@@ -97,10 +97,11 @@ class DecodeGraphRunner:
         """One decode forward over the static buffers' first `batch_size` rows (all padding at capture)."""
 
         def forward() -> torch.Tensor:
-            with forward_context(self.backend), hf_masks_skipped(), torch.no_grad():
+            position_ids = self.positions[:batch_size][None]  # [1, bs]
+            with forward_context(self.backend, position_ids=position_ids), hf_masks_skipped(), torch.no_grad():
                 output = self.runner.model(
                     input_ids=self.input_ids[:batch_size][None],
-                    position_ids=self.positions[:batch_size][None],
+                    position_ids=position_ids,
                     use_cache=False,
                     logits_to_keep=0,  # every row is some request's next token
                 )

@@ -24,6 +24,7 @@ from nnrun.kv_sizing import GiB, kv_budget_bytes, profile_prompt_lengths
 from nnrun.loader import load_model, max_context_len
 from nnrun.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator, hold_kv, release_kv
 from nnrun.model_probe import AttentionLayerInfo
+from nnrun.position_adapters import adapt_positions
 from nnrun.request import Request
 from nnrun.sampler import Sampler, SamplerOutput, SamplingRow
 from nnrun.sampling_params import SamplingParams
@@ -65,6 +66,7 @@ class ModelRunner:
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         self.dtype = self.config.device.torch_dtype
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        adapt_positions(self.model)  # modules that number positions themselves take each request's own
         self.layers: list[AttentionLayerInfo] = []
         # Why the packed path cannot serve this model, known before any packed step runs (None: ask the probe).
         self.packed_unfit: str | None = FORCED_REASON if self.config.model.forward_path == "exact" else None
@@ -280,12 +282,15 @@ class ModelRunner:
         backend = self.attention_backend_for(forward_batch)
         backend.init_forward_metadata(forward_batch)
         probs_plan = AttentionProbsPlan.for_batch(forward_batch, self.device)  # None unless a request asked
-        with forward_context(backend, probs_plan), hf_masks_skipped(), self.grad_context(forward_batch):
+        position_ids = forward_batch.positions.to(self.device)[None]  # [1, N]
+        logits_indices = forward_batch.logits_indices.to(self.device)  # [R]
+        with (forward_context(backend, probs_plan, position_ids), hf_masks_skipped(),
+              self.grad_context(forward_batch)):
             output = self.model(
                 input_ids=forward_batch.input_ids.to(self.device)[None],
-                position_ids=forward_batch.positions.to(self.device)[None],
+                position_ids=position_ids,
                 use_cache=False,
-                logits_to_keep=forward_batch.logits_indices.to(self.device),
+                logits_to_keep=logits_indices,
             )
         self.output_type = type(output)  # the model's own output class (GPT-2's differs from Llama's)
         return output.logits[0]

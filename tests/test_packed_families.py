@@ -177,6 +177,44 @@ def test_chunks_change_hf_results():
     assert (hf_logits(model, prompt) - hf_logits(unchunked, prompt)).abs().max() > 1e-3
 
 
+# ---- positions the model numbers itself ---------------------------------------------------------
+
+_ENCODER_DECODER = dict(d_model=64, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
+                        encoder_attention_heads=4, decoder_ffn_dim=128, encoder_ffn_dim=128)
+# Configs whose default special ids lie outside the tiny vocabulary get small ones.
+_SMALL_SPECIAL_IDS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=0)
+DECODER_POSITION_FAMILIES = {
+    "bart": {}, "mbart": {}, "marian": _SMALL_SPECIAL_IDS, "pegasus": {}, "plbart": {}, "blenderbot": {},
+    "blenderbot-small": {}, "bigbird_pegasus": {},
+}
+PADDING_OFFSET_FAMILIES = ["roberta", "xlm-roberta", "xlm-roberta-xl", "roberta-prelayernorm", "camembert",
+                           "data2vec-text", "xmod"]
+
+
+@pytest.mark.parametrize("model_type", sorted(DECODER_POSITION_FAMILIES))
+def test_encoder_decoder_derived_decoders_number_positions_per_request(model_type):
+    """Their decoders number positions over the whole `[1, N]` input; each request must get its own."""
+    assert_packed_matches_hf(tiny_model(model_type, **_ENCODER_DECODER, **DECODER_POSITION_FAMILIES[model_type]))
+
+
+@pytest.mark.parametrize("model_type", PADDING_OFFSET_FAMILIES)
+def test_roberta_style_positions_start_after_padding_idx(model_type):
+    model = tiny_model(model_type, is_decoder=True, **_SMALL_SPECIAL_IDS)
+    if model_type == "xmod":
+        model.set_default_language("en_XX")  # its adapters pick a language; HF refuses to run without one
+    assert_packed_matches_hf(model)
+
+
+def test_adapted_models_called_plainly_number_positions_as_hf():
+    """Outside an engine step an adapted module is HF's own: a plain call of the same model object is HF's."""
+    model = tiny_model("bart", **_ENCODER_DECODER)
+    oracle = hf_twin(model)
+    prompt = prompts_of()[1]
+    with nnrun.LLM(model, page_size=4):
+        assert "forward" in vars(model.model.decoder.embed_positions)  # the adapter is installed
+        assert_close_to(hf_logits(model, prompt), hf_logits(oracle, prompt), "bart called plainly")
+
+
 # ---- FlashInfer backend selection ---------------------------------------------------------------
 
 def _layers(**settings) -> list[AttentionLayerInfo]:
@@ -190,7 +228,8 @@ def test_auto_keeps_the_torch_backend_for_sinks_and_says_why(monkeypatch, caplog
     monkeypatch.setattr(selection, "TorchAttnBackend", lambda pool, device: "torch")
     pool = SimpleNamespace(k_pages=[torch.empty(0, dtype=torch.bfloat16)])
     with caplog.at_level(logging.INFO, logger=selection.__name__):
-        assert selection.create_attention_backend("auto", pool, torch.device("cuda"), _layers(has_sinks=True)) == "torch"
+        backend = selection.create_attention_backend("auto", pool, torch.device("cuda"), _layers(has_sinks=True))
+    assert backend == "torch"
     assert "layers [0, 1] have attention sinks" in caplog.text
 
 

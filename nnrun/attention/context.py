@@ -1,14 +1,18 @@
 """The one piece of module-level state: what serves the forward that is running now.
 
-That is the attention backend, and the step's attention-probabilities plan when some request of
-the step asked for them. A plain global, not a ContextVar: nnsight's mediators are greenlets,
-which start with an empty contextvars context, and they may call modules during the forward.
+That is the attention backend, the step's attention-probabilities plan when some request of the
+step asked for them, and the step's per-request positions (the `[1, N]` position ids the model is
+given) for modules that number positions themselves (nnrun/position_adapters.py). A plain global,
+not a ContextVar: nnsight's mediators are greenlets, which start with an empty contextvars context,
+and they may call modules during the forward.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
+
+import torch
 
 from nnrun.attention.base import AttentionBackend
 
@@ -17,21 +21,28 @@ if TYPE_CHECKING:
 
 _current_backend: AttentionBackend | None = None
 _current_probs_plan: AttentionProbsPlan | None = None
+_current_position_ids: torch.Tensor | None = None
 
 
 @contextmanager
-def forward_context(backend: AttentionBackend, probs_plan: AttentionProbsPlan | None = None) -> Iterator[None]:
-    global _current_backend, _current_probs_plan
-    previous = _current_backend, _current_probs_plan
-    _current_backend, _current_probs_plan = backend, probs_plan
+def forward_context(backend: AttentionBackend, probs_plan: AttentionProbsPlan | None = None,
+                    position_ids: torch.Tensor | None = None) -> Iterator[None]:
+    global _current_backend, _current_probs_plan, _current_position_ids
+    previous = _current_backend, _current_probs_plan, _current_position_ids
+    _current_backend, _current_probs_plan, _current_position_ids = backend, probs_plan, position_ids
     try:
         yield
     finally:
-        _current_backend, _current_probs_plan = previous
+        _current_backend, _current_probs_plan, _current_position_ids = previous
 
 
 def current_backend() -> AttentionBackend | None:
     return _current_backend
+
+
+def current_position_ids() -> torch.Tensor | None:
+    """The running step's `[1, N]` per-request positions (0-based), or None outside a step that set them."""
+    return _current_position_ids
 
 
 def current_probs_plan() -> AttentionProbsPlan | None:

@@ -117,10 +117,15 @@ def _additive_mask(sdpa_mask_: torch.Tensor | None, query: torch.Tensor, key: to
 
 
 def paged_attention_mask(*args, **kwargs) -> torch.Tensor | None:
-    """No mask inside an engine step (the backend knows each request's span); sdpa's mask outside."""
+    """No mask inside an engine step (the backend knows each request's span); sdpa's mask outside.
+
+    Outside, the mask is always built: sdpa's builder would otherwise return None for a plain causal
+    mask and leave causality to the module's `is_causal`, which some causal decoders leave False
+    (BigBirdPegasus's), trusting the mask.
+    """
     if current_backend() is not None:
         return None
-    return sdpa_mask(*args, **kwargs)
+    return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
 
 
 @contextmanager

@@ -60,7 +60,8 @@ class _AskingRequest:
     q_len: int
     prefix_len: int
     kv_slots: torch.Tensor  # [seq_len] int64 on the device: its whole KV after this step
-    by_window: dict = field(default_factory=dict)  # (window, chunk) -> (slots, mask): the same for every layer of a step
+    # (window, chunk) -> (slots, mask): the same for every layer of that kind in a step
+    by_window: dict = field(default_factory=dict)
 
     def keys(self, sliding_window: int | None,
              chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -201,7 +201,7 @@ def _eager_attend(q, k, v, allowed, scaling, softcap, sinks):
     if sinks is None:
         probs = scores.softmax(dim=-1)
     else:
-        sink_logits = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(num, -1, -1, q_len, 1)  # [G, Hkv, R, n, 1]
+        sink_logits = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(num, -1, -1, q_len, 1)  # [G,Hkv,R,n,1]
         probs = torch.cat([scores, sink_logits], dim=-1).softmax(dim=-1)[..., :-1]
     out = torch.einsum("bkrnl,blkd->bnkrd", probs, v.float())  # [G, n, Hkv, R, Dv]
     return out.reshape(num, q_len, num_q_heads, -1).to(q.dtype)

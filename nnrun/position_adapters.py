@@ -1,0 +1,100 @@
+"""Per-request positions for modules that number positions themselves, applied as a pass over the built model.
+
+The packed path gives the model each request's own positions as `position_ids` (0-based). Most
+families use them; some compute positions of their own, which in a packed `[1, N]` batch run over
+every request's tokens, or start where HF starts them:
+
+- the decoders of encoder-decoder families (`*ForCausalLM` of bart, mbart, marian, pegasus, plbart,
+  blenderbot, blenderbot-small, bigbird_pegasus) number positions `arange(N) + cache length` and
+  hand them to their `embed_positions` module;
+- roberta-style embeddings (roberta, xlm-roberta, xlm-roberta-xl, roberta-prelayernorm, camembert,
+  data2vec-text, xmod) number positions from `padding_idx + 1`, as HF does when given no
+  `position_ids`.
+
+Inside an engine step the adapted module's `position_ids` argument becomes the step's per-request
+positions (plus the family's offset); outside a step (a plain call, the load-time probe) it runs
+exactly as HF's. Only the module's instance `forward` is replaced: no hooks (which would keep
+decode steps off CUDA graphs), and module paths stay HF's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from nnrun.attention.context import current_position_ids
+
+_ADAPTED = "_nnrun_position_adapter"  # set on an adapted module: the pass runs once per model object
+
+
+@dataclass(frozen=True)
+class PositionAdapter:
+    """How one module takes the step's positions: `[1, N]` 0-based ids to its `position_ids` argument."""
+
+    name: str
+    to_module_positions: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+
+
+def _decoder_positions(module: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+    return position_ids[0]  # [N]: these modules add their own offset and a batch dim to given ids
+
+
+def _padding_offset_positions(module: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+    return position_ids + (module.padding_idx + 1)  # [1, N], numbered from padding_idx + 1 as HF does
+
+
+DECODER_POSITIONS = PositionAdapter("decoder positions", _decoder_positions)
+PADDING_OFFSET_POSITIONS = PositionAdapter("positions from padding_idx + 1", _padding_offset_positions)
+
+
+def adapter_for(module: torch.nn.Module) -> PositionAdapter | None:
+    """The adapter a module needs, by what it is in HF, or None."""
+    parameters = _forward_parameters(module)
+    if "position_ids" not in parameters:
+        return None
+    if hasattr(module, "create_position_ids_from_input_ids") and hasattr(module, "padding_idx"):
+        return PADDING_OFFSET_POSITIONS
+    if type(module).__name__.endswith("PositionalEmbedding") and "past_key_values_length" in parameters:
+        return DECODER_POSITIONS
+    return None
+
+
+def adapt_positions(model: torch.nn.Module) -> list[str]:
+    """Adapt every module of `model` that numbers positions itself; returns their paths (idempotent)."""
+    adapted = []
+    for path, module in model.named_modules():
+        adapter = getattr(module, _ADAPTED, None) or adapter_for(module)
+        if adapter is None:
+            continue
+        if getattr(module, _ADAPTED, None) is None:
+            _install(module, adapter)
+        adapted.append(path)
+    return adapted
+
+
+def _install(module: torch.nn.Module, adapter: PositionAdapter) -> None:
+    # A method bound to the module (not a closure over it): a deep copy of the model rebinds it to the copy.
+    module.forward = types.MethodType(_adapted_forward, module)
+    setattr(module, _ADAPTED, adapter)
+
+
+def _adapted_forward(self: torch.nn.Module, *args, **kwargs):
+    """HF's own forward; inside a step, with the step's per-request positions as its `position_ids`."""
+    hf_forward = type(self).forward
+    step_positions = current_position_ids()
+    if step_positions is None:
+        return hf_forward(self, *args, **kwargs)
+    bound = inspect.signature(hf_forward).bind(self, *args, **kwargs)
+    bound.arguments["position_ids"] = getattr(self, _ADAPTED).to_module_positions(self, step_positions)
+    return hf_forward(*bound.args, **bound.kwargs)
+
+
+def _forward_parameters(module: torch.nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(type(module).forward).parameters)
+    except (TypeError, ValueError):
+        return set()
