@@ -24,6 +24,7 @@ from nnrun.kv_sizing import GiB, kv_budget_bytes, profile_prompt_lengths
 from nnrun.loader import load_model, max_context_len
 from nnrun.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator, hold_kv, release_kv
 from nnrun.model_probe import AttentionLayerInfo
+from nnrun.output_layout import returns_every_position
 from nnrun.position_adapters import adapt_positions
 from nnrun.request import Request
 from nnrun.sampler import Sampler, SamplerOutput, SamplingRow
@@ -72,6 +73,8 @@ class ModelRunner:
         self.packed_unfit: str | None = FORCED_REASON if self.config.model.forward_path == "exact" else None
         if self.packed_unfit is None:
             self.layers, self.packed_unfit = packed_layers(self.model, self.device)
+        # Decided once: a model that ignores logits_to_keep (Whisper's decoder) has its rows taken by the runner.
+        self.returns_every_position = bool(self.layers) and returns_every_position(self.model, self.device)
         self._modules = list(self.model.modules())  # checked for hooks before each graph replay
         model_len = max_context_len(self.model.config)
         self.max_model_len = min(self.config.model.max_model_len or model_len, model_len)
@@ -293,6 +296,8 @@ class ModelRunner:
                 logits_to_keep=logits_indices,
             )
         self.output_type = type(output)  # the model's own output class (GPT-2's differs from Llama's)
+        if self.returns_every_position:  # [N, V]: take the step's rows
+            return output.logits[0].index_select(0, logits_indices)
         return output.logits[0]
 
     def _ensure_paged_attention(self) -> None:

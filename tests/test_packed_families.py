@@ -215,6 +215,20 @@ def test_adapted_models_called_plainly_number_positions_as_hf():
         assert_close_to(hf_logits(model, prompt), hf_logits(oracle, prompt), "bart called plainly")
 
 
+# ---- logits rows --------------------------------------------------------------------------------
+
+def test_whisper_decoder_ignoring_logits_to_keep_samples_from_the_right_rows():
+    model = tiny_model("whisper", **_ENCODER_DECODER, **_SMALL_SPECIAL_IDS)
+    with nnrun.LLM(model, page_size=4) as llm:
+        assert llm.runner.returns_every_position  # HF's WhisperForCausalLM returns every position's logits
+    assert_packed_matches_hf(model)
+
+
+def test_models_honouring_logits_to_keep_are_not_sliced_again():
+    with nnrun.LLM(tiny_model("bart", **_ENCODER_DECODER), page_size=4) as llm:
+        assert not llm.runner.returns_every_position
+
+
 # ---- FlashInfer backend selection ---------------------------------------------------------------
 
 def _layers(**settings) -> list[AttentionLayerInfo]:
