@@ -20,6 +20,8 @@ helpers in interleaver/attentions.py. Skips live in interleaver/skips.py.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -52,6 +54,9 @@ class PackedBatcher(SkipSplicing, Batcher):
         self.vocab_size: int | None = None  # the range `model.samples` may be set to (set by the runner)
         self.location = ""  # the location being served now (set by the interleaver)
         self.pending_skips = {}
+        # The group of the block that called a module itself (`hook=True`) while that call is served:
+        # its values are laid out as that block was served, not as the packed step.
+        self.called_by: PackedGroup | None = None
 
     def set_step(self, num_tokens: int, num_logits: int, num_rows: int) -> None:
         self.num_tokens, self.num_logits, self.num_rows = num_tokens, num_logits, num_rows
@@ -104,9 +109,20 @@ class PackedBatcher(SkipSplicing, Batcher):
         return (*lead, *full.shape[1 if layout is Layout.ROWS else 2 :])
 
     # ---- reads ----------------------------------------------------------------------------
+    @contextmanager
+    def serving_call_by(self, group: PackedGroup | None) -> Iterator[None]:
+        """Serve the module call a block makes itself with `group`'s layout (the block's own)."""
+        saved, self.called_by = self.called_by, group
+        try:
+            yield
+        finally:
+            self.called_by = saved
+
     def narrow(self, value: Any, group: Any) -> Any:
         if group is None:
             return value
+        if self.called_by is not None:
+            return self._narrow_called(value, group, self.called_by)
         layout = self.layout_of(self.location)
         if isinstance(value, torch.Tensor):  # the common case (a module's hidden states): no tree walk
             return self._narrow_tensor(value, group, layout)
@@ -145,6 +161,33 @@ class PackedBatcher(SkipSplicing, Batcher):
         if view is not None:
             return view
         return _gather_left_padded(tensor, spans)
+
+    def _narrow_called(self, value: Any, group: PackedGroup, caller: PackedGroup) -> Any:
+        """A reader's rows of a module call made by a block (`caller`): values laid out `[k, T_max, ...]`,
+        left-padded, over the caller's requests. A reader whose requests the caller's call did not
+        cover has no values in it, so the read is refused instead of handing it other requests' rows."""
+        if group.rows == caller.rows:
+            return value
+        if not set(group.rows) <= set(caller.rows):
+            raise InvalidWriteError(
+                f"{module_of(self.location)}: this call of the module was made by another invoke's block (`hook=True`) "
+                "over prompts this invoke is not part of, so it holds none of this invoke's values (nnsight on HF "
+                "would hand this invoke the other's values); read the module where this invoke's own prompts reach it"
+            )
+        layout = self.layout_of(self.location)
+        index = [caller.rows.index(row) for row in group.rows]
+        caller_len = self.served_lead(caller, layout)[-1]
+        reader_len = self.served_lead(group, layout)[-1]
+
+        def rows_of(tensor: torch.Tensor) -> torch.Tensor:
+            if tensor.dim() == 0 or tensor.shape[0] != len(caller.rows):
+                return tensor  # not laid out by request: every reader sees it whole
+            tensor = tensor[index]  # [k_reader, ...]
+            if layout is not Layout.ROWS and tensor.dim() >= 2 and tensor.shape[1] == caller_len:
+                tensor = tensor[:, caller_len - reader_len :]  # left padding beyond the reader's longest prompt
+            return tensor
+
+        return apply(value, rows_of, torch.Tensor)
 
     def scatter_back(self, full: Any, group: PackedGroup, served: Any) -> None:
         """Write a gathered copy's real tokens back into `full` (a several-request read)."""

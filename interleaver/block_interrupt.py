@@ -35,6 +35,16 @@ class RunningBlocks:
         self._interrupted: set[int] = set()  # ids of mediators already sent an interrupt (one each)
         self._thread_id: int | None = None
 
+    def snapshot(self) -> list[Any]:
+        """The mediators whose blocks are running now, outermost first (a copy: the engine thread moves on)."""
+        with self._lock:
+            return list(self._stack)
+
+    def innermost(self) -> Any | None:
+        """The mediator whose block is running now on the engine thread, or None between blocks."""
+        with self._lock:
+            return self._stack[-1] if self._stack else None
+
     def enter(self, mediator: Any) -> None:
         with self._lock:
             self._stack.append(mediator)

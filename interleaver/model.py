@@ -62,6 +62,10 @@ class _ClientEnvoyMixin:
                 return self._module(*args, **kwargs)
             finally:
                 engine.interleaving = True
+        if engine.interleaving:  # a hooked call: other blocks reading it get their rows of the caller's values
+            caller = engine.running_blocks.innermost()
+            with engine.batcher.serving_call_by(getattr(caller, "batch_group", None)):
+                return Envoy.__call__(self, *args, hook=hook, **kwargs)
         return Envoy.__call__(self, *args, hook=hook, **kwargs)
 
     @property
@@ -94,6 +98,22 @@ class ClientEnvoy(_ClientEnvoyMixin, Envoy):
     """An envoy of the client tree."""
 
 
+def set_nnsight_attributes(model: Any, model_or_path: Any, revision: str | None, given: dict) -> None:
+    """The public attributes scripts read off nnsight's `LanguageModel`, with nnsight's values."""
+    repo_id = model_or_path if isinstance(model_or_path, str) else getattr(model.engine.model.config,
+                                                                           "_name_or_path", None)
+    attributes = {
+        "dispatched": True,  # the engine loads the weights when it is built: there is no meta state
+        "repo_id": repo_id, "revision": revision,
+        "args": (model_or_path,), "kwargs": given,
+        "task": "text-generation", "peft": None,
+        "processor": None, "image_processor": None, "feature_extractor": None,  # text models only
+    }
+    for name, value in attributes.items():
+        if not isinstance(getattr(type(model), name, None), property):  # a subclass's own answer (VLLM's) stands
+            object.__setattr__(model, name, value)
+
+
 class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
     """nnsight's LanguageModel API on nnrun: `trace`, `generate`, invokes, edits, saves.
 
@@ -116,6 +136,11 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
 
     def __init__(self, model_or_path: Any, tokenizer: Any = None, device: str = "cpu", dtype: Any = None,
                  rename: dict | None = None, **kwargs: Any) -> None:
+        defaults = {"tokenizer": None, "device": "cpu", "dtype": None, "rename": None}
+        given = {key: value for key, value in zip(defaults, (tokenizer, device, dtype, rename))
+                 if value is not defaults[key] and value != defaults[key]}
+        given.update({key: value for key, value in kwargs.items() if key not in ("dispatch", "meta_buffers")})
+        revision = kwargs.get("revision")
         device, dtype, options, tokenizer_settings = engine_kwargs(model_or_path, device, dtype, kwargs)
         engine = LLM(model_or_path, tokenizer=tokenizer, device=device, dtype=dtype,
                      runner_cls=NNsightGPUModelRunner, **options)
@@ -126,7 +151,11 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
                          rename=rename)
         object.__setattr__(self, "engine", engine)
         object.__setattr__(self, "tokenizer", engine.tokenizer)
+        set_nnsight_attributes(self, model_or_path, revision, given)
         add_generator(self)
+
+    def dispatch(self) -> None:
+        """nnsight loads a meta model's weights here; nnrun's engine holds them from the start."""
 
     # ---- tracing --------------------------------------------------------------------------
     def trace(self, *inputs: Any, trace: bool = True, **kwargs: Any) -> Any:

@@ -19,8 +19,9 @@ def merge_edited(location: str, full: Any, edited: Any, merge_leaf: Callable[[An
     """`full` with each leaf replaced by `merge_leaf(full_leaf, edited_leaf)`; shared values must stay as they are."""
     if isinstance(full, LEAF_TYPES):
         return merge_leaf(full, edited)
-    if isinstance(full, (list, tuple)) and isinstance(edited, (list, tuple)) and len(full) == len(edited):
+    if isinstance(full, (list, tuple)) and isinstance(edited, (list, tuple)) and _pairs_with(full, edited):
         merged = [merge_edited(location, f, e, merge_leaf) for f, e in zip(full, edited)]
+        merged += full[len(edited) :]  # trailing Nones a rebuilt argument tuple left out: the same call
         if isinstance(full, tuple) and hasattr(full, "_fields"):
             return type(full)(*merged)
         return type(full)(merged)
@@ -66,6 +67,19 @@ def concat_dim1(structures: list) -> Any:
     if isinstance(first, dict):
         return {key: concat_dim1([s[key] for s in structures]) for key in first}
     return first
+
+
+def _pairs_with(full: list | tuple, edited: list | tuple) -> bool:
+    """Whether `edited` lines up with `full` entry by entry: the same length, or `full` less trailing Nones.
+
+    A block that rebuilds a module's `.inputs` (`((new_hidden,),) + module.inputs[1:]`) writes an args
+    tuple of the positional values it knows; a module such as GPT-2's block is called with further
+    positional values, None on nnrun's packed step (the cache and mask live in the engine). Leaving a
+    None out of the call is passing it, so those are the same call.
+    """
+    if len(edited) == len(full):
+        return True
+    return len(edited) < len(full) and all(value is None for value in full[len(edited) :])
 
 
 def _same_value(a: Any, b: Any) -> bool:

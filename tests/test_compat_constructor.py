@@ -6,6 +6,8 @@ import warnings
 
 import pytest
 import torch
+
+import nnrun
 from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
 
 from conformance.compare import assert_same
@@ -218,3 +220,21 @@ def test_where_to_run_keywords_at_their_defaults_are_accepted(tiny):
     with tiny.trace("the cat sat", remote=False, backend=None, blocking=True):
         out = tiny.lm_head.output.save()
     assert out.shape[1] == 3
+
+
+def test_public_attributes_scripts_read_as_nnsight_sets_them():
+    from nnrun.assets import bundled_model_path
+    from nnsight import LanguageModel as NNsightLanguageModel
+
+    path = str(bundled_model_path("tiny-facts"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = NNsightLanguageModel(path, dispatch=True)
+    ours = nnrun.LanguageModel(path, dispatch=True)
+    try:
+        for name in ("dispatched", "repo_id", "revision", "args", "kwargs", "task", "peft", "processor",
+                     "image_processor", "feature_extractor"):
+            assert getattr(ours, name) == getattr(theirs, name), name
+        assert ours.dispatch() is None and ours.dispatched
+    finally:
+        ours.shutdown()

@@ -16,6 +16,7 @@ import torch
 from conformance.compare import assert_same
 from conformance.models import oracle_and_nnrun, tiny_llama, tiny_tokenizer, twin
 from conformance.scenarios import Padded
+from interleaver.write_checks import InvalidWriteError
 
 P = "the cat sat on the mat"
 Q = "one two"
@@ -285,3 +286,45 @@ def test_module_attached_inside_the_edit_block(pair):
 
     expected, actual = on_both(pair, run)
     assert_same(expected, actual)
+
+
+def test_each_invoke_reads_its_own_rows_of_an_attached_module_the_edit_calls(pair):
+    """The edit calls the adapter once over every prompt of the trace; each invoke sees its own rows."""
+    short, long = "the cat sat", "the dog ran in the park"
+
+    def run(model):
+        model.model.layers[0].adapter = Adapter()
+        try:
+            with model.edit() as (tracer, edited):
+                layer = edited.model.layers[0]
+                layer.output[:] = layer.adapter(layer.output, hook=True)
+            with edited.trace() as tracer:
+                with tracer.invoke(short):
+                    a = edited.model.layers[0].adapter.output.save()
+                    logits_a = edited.lm_head.output.save()
+                with tracer.invoke(long):
+                    b = edited.model.layers[0].adapter.inner.output.save()
+                    logits_b = edited.lm_head.output.save()
+        finally:
+            del model.model.layers[0]._module.adapter
+        lengths = [len(model.tokenizer(text)["input_ids"]) for text in (short, long)]
+        return {"a": Padded(a, lengths[:1]), "b": Padded(b, lengths[1:]),
+                "logits_a": Padded(logits_a, lengths[:1]), "logits_b": Padded(logits_b, lengths[1:])}
+
+    expected, actual = on_both(pair, run)
+    assert actual["a"].value.shape[0] == 1 and actual["b"].value.shape[0] == 1  # one row each, not the whole trace
+    assert_same(expected, actual)
+
+
+def test_an_invoke_is_never_served_another_invokes_hooked_call(pair):
+    """nnsight on HF hands the second invoke the first one's logit lens here; nnrun refuses by name."""
+    _, ours = pair
+    with pytest.raises(InvalidWriteError, match=r"model.lm_head: this call of the module was made by another invoke"):
+        with ours.trace() as tracer:
+            with tracer.invoke("the cat sat"):
+                ours.lm_head(ours.model.layers[0].output, hook=True).save()
+            with tracer.invoke("the dog ran in the park"):
+                ours.lm_head.output.save()
+    with ours.trace("the cat sat"):  # the engine serves on
+        logits = ours.lm_head.output.save()
+    assert logits.shape[:2] == (1, len(ours.tokenizer("the cat sat")["input_ids"]))
