@@ -263,8 +263,8 @@ def test_emulator_reads_the_page_table(fake, monkeypatch):
 
     original = module.plan_forward_batch
 
-    def swapped_pages(forward_batch, page_size):
-        plan = original(forward_batch, page_size)
+    def swapped_pages(forward_batch, page_size, chunk_size=None):
+        plan = original(forward_batch, page_size, chunk_size)
         plan.kv_indices = plan.kv_indices.flip(0)
         return plan
 

@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 from types import SimpleNamespace
+from typing import Callable
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import nnrun
+from fake_flashinfer import make_fake_flashinfer
 from nnrun.attention import selection
+from nnrun.attention.flashinfer_backend import FlashInferAttnBackend
+from nnrun.attention.flashinfer_plan import plan_paged_kv
 from nnrun.memory import LayerKVShape
 from nnrun.model_probe import AttentionLayerInfo
 
@@ -83,13 +88,19 @@ def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, what: str) -> 
     return diff
 
 
-def assert_packed_matches_hf(model: torch.nn.Module, prompts: list[list[int]] | None = None) -> None:
-    """Packed prefill logits and greedy decode steps (tokens and logprobs) equal HF run one prompt at a time."""
+def assert_packed_matches_hf(model: torch.nn.Module, prompts: list[list[int]] | None = None,
+                             swap_backend: Callable[[nnrun.LLM], object] | None = None) -> None:
+    """Packed prefill logits and greedy decode steps (tokens and logprobs) equal HF run one prompt at a time.
+
+    `swap_backend` replaces the engine's attention backend before the first step (FlashInfer's, say).
+    """
     prompts = prompts or prompts_of()
     oracle = hf_twin(model)
     name = model.config.model_type
     with nnrun.LLM(model, page_size=4) as llm:
         assert getattr(llm.runner, "exact_forward", None) is None, f"{name} is served by the exact path, not packed"
+        if swap_backend is not None:
+            swap_backend(llm)
         for prompt, logits in zip(prompts, packed_prompt_logits(llm, prompts)):
             assert_close_to(logits, hf_logits(oracle, prompt), f"{name} prefill of {len(prompt)} tokens")
         params = nnrun.SamplingParams(max_tokens=DECODE_STEPS, temperature=0, logprobs=0, ignore_eos=True)
@@ -251,3 +262,38 @@ def test_explicit_flashinfer_with_sinks_names_them():
     pool = SimpleNamespace(k_pages=[torch.empty(0, dtype=torch.bfloat16)])
     with pytest.raises(ValueError, match=r"attention_backend='flashinfer': layers \[0, 1\] have attention sinks"):
         selection.create_attention_backend("flashinfer", pool, torch.device("cuda"), _layers(has_sinks=True))
+
+
+# ---- chunked attention on the FlashInfer backend (its torch emulator on CPU) -------------------------
+
+def _use_flashinfer(llm: nnrun.LLM) -> FlashInferAttnBackend:
+    runner = llm.runner
+    runner.attn_backend = FlashInferAttnBackend(runner.kv_pool, runner.device, runner.layers, workspace_bytes=1 << 16)
+    return runner.attn_backend
+
+
+@pytest.mark.parametrize("chunk_size", [4, 8])  # one page per chunk; two pages per chunk
+def test_llama4_chunks_on_the_flashinfer_backend_match_hf(monkeypatch, chunk_size):
+    fake = make_fake_flashinfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    model = tiny_model("llama4_text", **{**LLAMA4_TEXT, "attention_chunk_size": chunk_size})
+    assert_packed_matches_hf(model, prompts_of((5, 11, 3, 17)), swap_backend=_use_flashinfer)
+    planned = [call.info["plan"] for call in fake.calls if call.kind == "plan"]
+    assert any(len(plan.kv_last_page_len) > 4 for plan in planned)  # a chunked group split the prompts
+
+
+def test_chunked_plan_gives_each_chunk_its_own_pages():
+    """Hand-computed: 3 cached + 7 new tokens in chunks of 4 (pages of 2) are 3 planned requests."""
+    plan = plan_paged_kv([3], [7], [[10, 11, 12, 13, 14]], page_size=2, chunk_size=4)
+    # positions 3 | 4..7 | 8..9: the first sees keys 0..3 (pages 10, 11), the next 4..7 (12, 13), the last 8..9 (14)
+    assert plan.qo_indptr.tolist() == [0, 1, 5, 7]
+    assert plan.kv_indptr.tolist() == [0, 2, 4, 5]
+    assert plan.kv_indices.tolist() == [10, 11, 12, 13, 14]
+    assert plan.kv_last_page_len.tolist() == [2, 2, 2]
+
+
+def test_chunks_that_split_a_page_keep_the_torch_backend():
+    layers = _layers(chunk_size=6)
+    pool = SimpleNamespace(k_pages=[torch.empty(0, dtype=torch.bfloat16)], page_size=4)
+    with pytest.raises(ValueError, match=r"attention chunks of \[6\] tokens are not whole KV pages of 4 tokens"):
+        selection.create_attention_backend("flashinfer", pool, torch.device("cuda"), layers)

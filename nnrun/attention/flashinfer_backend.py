@@ -35,7 +35,7 @@ class _StepMetadata:
 class FlashInferAttnBackend(AttentionBackend):
     """Paged attention through FlashInfer's batch prefill and decode wrappers.
 
-    Layers are split into plan groups (same heads, window, softcap, scale); each group owns a
+    Layers are split into plan groups (same heads, window, softcap, scale, chunk); each group owns a
     prefill wrapper (extend and mixed steps) and a decode wrapper (all-decode steps), and all
     wrappers share one float workspace. `init_forward_metadata` plans the step's wrapper of every
     group once; `forward` writes the layer's new K/V into the pool and runs its group's wrapper.
@@ -54,7 +54,7 @@ class FlashInferAttnBackend(AttentionBackend):
                              "use attention_backend='torch' for this dtype")
         if workspace_bytes <= 0:
             raise ValueError(f"workspace_bytes must be positive, got {workspace_bytes}")
-        unplanned = flashinfer_unplanned_features(layers)
+        unplanned = flashinfer_unplanned_features(layers, kv_pool.page_size)
         if unplanned:
             raise ValueError(f"the flashinfer attention backend cannot serve this model: {unplanned}")
         self.groups: list[PlanGroup] = group_layers(layers)
@@ -73,17 +73,22 @@ class FlashInferAttnBackend(AttentionBackend):
         self.metadata: _StepMetadata | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        plan = plan_forward_batch(forward_batch, self.kv_pool.page_size)
+        # One set of page tables per chunk size among the groups (None: whole-prefix attention).
+        plans = {chunk_size: plan_forward_batch(forward_batch, self.kv_pool.page_size, chunk_size)
+                 for chunk_size in dict.fromkeys(group.chunk_size for group in self.groups)}
+        mode = next(iter(plans.values())).forward_mode
         out_cache_loc = forward_batch.out_cache_loc.to(self.device)  # [N]
-        if plan.batch_size == 0:
-            self.metadata = _StepMetadata(out_cache_loc, plan.forward_mode, [])
+        if forward_batch.batch_size == 0:
+            self.metadata = _StepMetadata(out_cache_loc, mode, [])
             return
         # flashinfer reads qo_indptr, kv_indptr and last_page_len on the host during plan() (a
         # device copy would cost one sync per group), and copies them to the device itself; the
         # page list, the one array that grows with context, goes to the device once for all groups.
-        kv_indices = plan.kv_indices.to(self.device, non_blocking=True)  # [num_pages_used] int32
-        wrappers = [self._plan_group(index, group, plan, kv_indices) for index, group in enumerate(self.groups)]
-        self.metadata = _StepMetadata(out_cache_loc, plan.forward_mode, wrappers)
+        kv_indices = {chunk_size: plan.kv_indices.to(self.device, non_blocking=True)  # [num_pages_used] int32
+                      for chunk_size, plan in plans.items()}
+        wrappers = [self._plan_group(index, group, plans[group.chunk_size], kv_indices[group.chunk_size])
+                    for index, group in enumerate(self.groups)]
+        self.metadata = _StepMetadata(out_cache_loc, mode, wrappers)
 
     def _plan_group(self, index: int, group: PlanGroup, plan: PagedKVPlan, kv_indices: torch.Tensor):
         if plan.forward_mode is ForwardMode.DECODE and group.has_decode_kernel:
@@ -120,7 +125,8 @@ class FlashInferAttnBackend(AttentionBackend):
     # ---- CUDA graphs ------------------------------------------------------------------------
     @property
     def supports_cuda_graphs(self) -> bool:
-        return all(group.has_decode_kernel for group in self.groups)
+        # Graph wrappers share one set of page-table buffers, which chunked groups cannot share.
+        return all(group.has_decode_kernel and group.chunk_size is None for group in self.groups)
 
     def init_cuda_graph_state(self, batch_sizes: Sequence[int]) -> None:
         """One graph-mode decode wrapper per (batch size, group), all reading one set of page tables.
@@ -172,22 +178,23 @@ class FlashInferAttnBackend(AttentionBackend):
         if not meta.wrappers:
             return q.new_empty((0, q.shape[1], v.shape[-1]))  # [0, Hq, Dv]
         group_index = self.layer_to_group[layer_idx]
-        self._check_layer_call(layer_idx, self.groups[group_index], scaling, sliding_window, softcap)
-        if sinks is not None or chunk_size is not None:
-            raise RuntimeError(f"layer {layer_idx} attends with attention sinks or chunks, which the load-time probe "
-                               "did not see and the flashinfer backend does not apply")
+        self._check_layer_call(layer_idx, self.groups[group_index], scaling, sliding_window, softcap, chunk_size)
+        if sinks is not None:
+            raise RuntimeError(f"layer {layer_idx} attends with attention sinks, which the load-time probe did not "
+                               "see and the flashinfer backend does not apply")
         kv_cache = (self.kv_pool.k_pages[layer_idx], self.kv_pool.v_pages[layer_idx])  # NHD [pages, page_size, Hkv, D]
         out = meta.wrappers[group_index].run(q.to(self.dtype).contiguous(), kv_cache)  # [N, Hq, Dv]
         return out.to(q.dtype)
 
     @staticmethod
-    def _check_layer_call(layer_idx: int, group: PlanGroup, scaling, sliding_window, softcap) -> None:
+    def _check_layer_call(layer_idx: int, group: PlanGroup, scaling, sliding_window, softcap, chunk_size) -> None:
         """The plan was built from the load-time probe; a layer that changes its settings would be wrong."""
-        planned = (group.sm_scale, group.window_left + 1 if group.window_left >= 0 else None, group.logits_soft_cap)
-        if (float(scaling), sliding_window, softcap) != planned:
+        planned = (group.sm_scale, group.window_left + 1 if group.window_left >= 0 else None, group.logits_soft_cap,
+                   group.chunk_size)
+        if (float(scaling), sliding_window, softcap, chunk_size) != planned:
             raise RuntimeError(
                 f"layer {layer_idx} attends with scaling={scaling}, sliding_window={sliding_window}, "
-                f"softcap={softcap}, but the load-time probe planned {planned}"
+                f"softcap={softcap}, chunk_size={chunk_size}, but the load-time probe planned {planned}"
             )
 
 

@@ -12,6 +12,12 @@ unit-tested on any machine. FlashInfer's paged layout (0.7.2) for a batch of B r
 All four are int32. The KV of a request already includes this step's tokens (they are written
 before attention), and the causal mask is bottom-right aligned, so new token j of a request with
 `prefix_len` cached tokens sees positions `0..prefix_len + j`.
+
+Chunked attention (a query sees only the keys of its own chunk of `chunk_size` positions) needs no
+kernel support: each request is planned as one FlashInfer request per chunk its new tokens touch,
+whose KV pages start at the chunk's first page. Bottom-right alignment then gives every query the
+keys from its chunk's start up to itself. A page must not straddle two chunks (`chunk_size` a
+multiple of `page_size`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ class PlanGroup:
     window_left: int  # inclusive left window; -1 attends the whole prefix
     logits_soft_cap: float | None  # cap * tanh(x / cap); None: no cap
     sm_scale: float
+    chunk_size: int | None = None  # chunked attention: planned from the step's per-chunk page tables
 
     @property
     def has_decode_kernel(self) -> bool:
@@ -62,7 +69,7 @@ def group_layers(layers: Sequence[AttentionLayerInfo]) -> list[PlanGroup]:
     members: dict[tuple, list[int]] = {}
     for layer in layers:
         key = (layer.num_q_heads, layer.kv_shape.num_kv_heads, layer.kv_shape.head_dim, layer.kv_shape.v_head_dim,
-               window_left_of(layer.sliding_window), layer.softcap, float(layer.scaling))
+               window_left_of(layer.sliding_window), layer.softcap, float(layer.scaling), layer.chunk_size)
         members.setdefault(key, []).append(layer.layer_idx)
     return [PlanGroup(tuple(ids), *key) for key, ids in members.items()]
 
@@ -104,18 +111,21 @@ class PagedKVPlan:
 
 
 def plan_paged_kv(prefix_lens: Sequence[int], extend_seq_lens: Sequence[int],
-                  page_tables: Sequence[Sequence[int]], page_size: int) -> PagedKVPlan:
+                  page_tables: Sequence[Sequence[int]], page_size: int, chunk_size: int | None = None) -> PagedKVPlan:
     """CSR page tables for requests with `prefix_lens` cached and `extend_seq_lens` new tokens.
 
     `page_tables[b]` lists request b's pages in token order; it may hold more pages than the
     request uses (only the first `ceil(seq_len / page_size)` are read). The mode is DECODE when
-    every request brings one token after a non-empty prefix, EXTEND otherwise.
+    every request brings one token after a non-empty prefix, EXTEND otherwise. With `chunk_size`,
+    each request becomes one planned request per chunk its new tokens touch (see the module doc).
     """
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
     if not len(prefix_lens) == len(extend_seq_lens) == len(page_tables):
         raise ValueError(f"{len(prefix_lens)} prefix lengths, {len(extend_seq_lens)} extend lengths and "
                          f"{len(page_tables)} page tables: one of each per request is needed")
+    if chunk_size is not None and (chunk_size <= 0 or chunk_size % page_size):
+        raise ValueError(f"chunk_size must be a positive multiple of page_size={page_size}, got {chunk_size}")
     qo_indptr, kv_indptr, kv_indices, last_page_lens = [0], [0], [], []
     for prefix_len, extend_len, pages in zip(prefix_lens, extend_seq_lens, page_tables):
         if prefix_len < 0 or extend_len <= 0:
@@ -126,10 +136,12 @@ def plan_paged_kv(prefix_lens: Sequence[int], extend_seq_lens: Sequence[int],
         if len(pages) < num_pages:
             raise ValueError(f"a request of {seq_len} tokens needs {num_pages} pages of {page_size}, "
                              f"its page table has {len(pages)}")
-        qo_indptr.append(qo_indptr[-1] + extend_len)
-        kv_indptr.append(kv_indptr[-1] + num_pages)
-        kv_indices.extend(pages[:num_pages])
-        last_page_lens.append(seq_len - (num_pages - 1) * page_size)
+        for kv_start, q_start, kv_end in _attended_spans(prefix_len, seq_len, chunk_size):
+            first_page, end_page = kv_start // page_size, -(-kv_end // page_size)
+            qo_indptr.append(qo_indptr[-1] + kv_end - q_start)
+            kv_indptr.append(kv_indptr[-1] + end_page - first_page)
+            kv_indices.extend(pages[first_page:end_page])
+            last_page_lens.append(kv_end - (end_page - 1) * page_size)
     is_decode = bool(prefix_lens) and all(p > 0 and e == 1 for p, e in zip(prefix_lens, extend_seq_lens))
     return PagedKVPlan(
         forward_mode=ForwardMode.DECODE if is_decode else ForwardMode.EXTEND,
@@ -141,13 +153,21 @@ def plan_paged_kv(prefix_lens: Sequence[int], extend_seq_lens: Sequence[int],
     )
 
 
-def plan_forward_batch(forward_batch: ForwardBatch, page_size: int) -> PagedKVPlan:
-    """The page tables of one engine step, read from each request's `page_ids`.
+def _attended_spans(prefix_len: int, seq_len: int, chunk_size: int | None) -> list[tuple[int, int, int]]:
+    """`(kv_start, q_start, kv_end)` per planned request: new tokens `q_start..kv_end` see keys `kv_start..`."""
+    if chunk_size is None:
+        return [(0, prefix_len, seq_len)]
+    return [(chunk_start, max(prefix_len, chunk_start), min(seq_len, chunk_start + chunk_size))
+            for chunk_start in range(prefix_len - prefix_len % chunk_size, seq_len, chunk_size)]
+
+
+def plan_forward_batch(forward_batch: ForwardBatch, page_size: int, chunk_size: int | None = None) -> PagedKVPlan:
+    """The page tables of one engine step, read from each request's `page_ids` (per chunk, with `chunk_size`).
 
     A step the runner labelled EXTEND stays EXTEND even if it happens to look like a decode.
     """
     plan = plan_paged_kv(forward_batch.prefix_lens, forward_batch.extend_seq_lens,
-                         [req.page_ids for req in forward_batch.reqs], page_size)
+                         [req.page_ids for req in forward_batch.reqs], page_size, chunk_size)
     if forward_batch.forward_mode is not ForwardMode.DECODE:
         plan.forward_mode = ForwardMode.EXTEND
     elif plan.forward_mode is not ForwardMode.DECODE:

@@ -27,7 +27,7 @@ def create_attention_backend(name: str, kv_pool: KVPool, device: torch.device, l
     half = kv_pool.k_pages and kv_pool.k_pages[0].dtype in (torch.float16, torch.bfloat16)
     # Only the real kernels have the restriction (on CPU the backend runs under the tests' emulator).
     odd_head_dims = sorted(_head_dims(layers) - set(FLASHINFER_HEAD_DIMS)) if device.type == "cuda" else []
-    unplanned = flashinfer_unplanned_features(layers)
+    unplanned = flashinfer_unplanned_features(layers, getattr(kv_pool, "page_size", None))
     auto_could_take_flashinfer = name == "auto" and device.type == "cuda" and half and _flashinfer_available()
     if auto_could_take_flashinfer and odd_head_dims:
         logger.info("head dims %s have no FlashInfer kernel: using the torch attention backend", odd_head_dims)
@@ -50,18 +50,21 @@ def create_attention_backend(name: str, kv_pool: KVPool, device: torch.device, l
     return TorchAttnBackend(kv_pool, device)
 
 
-def flashinfer_unplanned_features(layers: list) -> str | None:
+def flashinfer_unplanned_features(layers: list, page_size: int | None) -> str | None:
     """Why nnrun's FlashInfer backend cannot serve these layers, or None when it can.
 
     Attention sinks: FlashInfer 0.7.2's paged wrappers take none (only its trtllm-gen backend and a
-    JIT-compiled sink variant do, which nnrun has not validated against HF on hardware).
+    JIT-compiled sink variant do, which nnrun has not validated against HF on hardware). Chunked
+    attention is planned as one request per chunk, which needs chunks made of whole KV pages.
     """
     sink_layers = [layer.layer_idx for layer in layers if layer.has_sinks]
     if sink_layers:
         return f"layers {sink_layers} have attention sinks, which nnrun's FlashInfer backend does not apply"
-    chunked_layers = [layer.layer_idx for layer in layers if layer.chunk_size is not None]
-    if chunked_layers:
-        return f"layers {chunked_layers} use chunked attention, which nnrun's FlashInfer backend does not mask"
+    odd_chunks = sorted({layer.chunk_size for layer in layers
+                         if layer.chunk_size is not None and (page_size is None or layer.chunk_size % page_size)})
+    if odd_chunks:
+        return (f"attention chunks of {odd_chunks} tokens are not whole KV pages of {page_size} tokens, which "
+                "nnrun's FlashInfer backend plans chunks from")
     return None
 
 
