@@ -20,10 +20,7 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
-from nnrun.attention import ATTN_IMPLEMENTATION
 from nnrun.config import EngineConfig
-from nnrun.loader import check_model_supported, max_context_len
-from nnrun.model_probe import probe_attention_layers
 from nnrun.model_runner import ModelRunner
 from nnrun.tp import wire
 
@@ -50,29 +47,26 @@ class ShardRunner(ModelRunner):
     """A `ModelRunner` over this rank's shard: loads through transformers' TP plan, agrees on the KV pool size."""
 
     def initialize(self) -> None:
-        """The packed path on every rank, chosen by no per-rank probe (ranks must never take different paths)."""
+        """The packed path on every rank: no per-rank choice of path (ranks must never take different ones)."""
         self.load_model()
+        if getattr(self, "packed_unfit", None):
+            raise ValueError(f"{type(self.model).__name__} needs nnrun's exact path ({self.packed_unfit}), which is "
+                             "not served on tensor-parallel ranks yet; run it with tensor_parallel_size=1")
         self.init_memory_pool()
         self.init_attention_backend()
 
     def load_model(self) -> None:
+        """This rank's shard, read by transformers through the model's TP plan, then loaded as any in-memory model."""
         from transformers import AutoModelForCausalLM
         from transformers.distributed import DistributedConfig
 
         model_config = self.config.model
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.config.model.model, dtype=self.config.device.torch_dtype, revision=model_config.revision,
+        model_config.model = AutoModelForCausalLM.from_pretrained(
+            model_config.model, dtype=self.config.device.torch_dtype, revision=model_config.revision,
             trust_remote_code=model_config.trust_remote_code,
             distributed_config=DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size()),
-        ).eval()
-        check_model_supported(self.model.config)
-        self.tokenizer, self.model_name = None, str(model_config.model)
-        self.dtype = self.config.device.torch_dtype
-        self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.layers = probe_attention_layers(self.model, self.device)  # this rank's heads
-        self._modules = list(self.model.modules())
-        model_len = max_context_len(self.model.config)
-        self.max_model_len = min(model_config.max_model_len or model_len, model_len)
+        )
+        super().load_model()  # every rank runs the same load-time probes in step: their collectives pair up
 
     def _build_kv_cache(self, num_pages: int) -> None:
         """Every rank holds the same pages (the front end's allocator hands out one set): the smallest budget wins."""
@@ -112,6 +106,9 @@ def _start(spec: RankSpec) -> ShardRunner:
     device_config.torch_dtype = spec.config.device.torch_dtype
     config = dataclasses.replace(spec.config, device=device_config)
     config.model.model = spec.checkpoint
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # no progress bar per rank (its lock would be a semaphore left behind by a killed rank)
     runner = ShardRunner(config)
     runner.initialize()
     return runner

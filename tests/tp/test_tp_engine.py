@@ -1,5 +1,6 @@
 """nnrun.LLM with tensor_parallel_size=2 on tiny-facts (a GQA Llama): against one rank, against HF, run to run."""
 
+import socket
 import threading
 
 import pytest
@@ -19,9 +20,15 @@ RTOL, ATOL = 1e-5, 1e-5
 
 @pytest.fixture(scope="module")
 def tp2():
+    """The module's TP=2 engine; its teardown checks that a shutdown leaves no rank and no port behind."""
     llm = LLM("tiny-facts", tensor_parallel_size=2, tensor_parallel_timeout=60)
+    group = llm.runner.group
+    port = group._store.port
     yield llm
-    llm.shutdown()
+    assert llm.shutdown(timeout=30)
+    assert [p.exitcode for p in group.processes] == [0, 0]  # they left when told to, nobody was killed
+    with socket.socket() as sock:
+        assert sock.connect_ex(("127.0.0.1", port)) != 0  # the rendezvous port is closed
 
 
 @pytest.fixture(scope="module")
