@@ -45,6 +45,7 @@ class _ProbeBackend(AttentionBackend):
 
 def probe_attention_layers(model: torch.nn.Module, device: torch.device) -> list[AttentionLayerInfo]:
     """Per-layer K/V shapes, scale, window and softcap, indexed by `module.layer_idx`."""
+    refuse_sparse_attention_indexers(model)
     probe = _ProbeBackend()
     pad_id = getattr(model.config, "pad_token_id", None)
     token_id = 1 if pad_id == 0 else 0  # a pad token would make some models warn about missing masks
@@ -60,6 +61,20 @@ def probe_attention_layers(model: torch.nn.Module, device: torch.device) -> list
             raise ValueError(f"layer {call.layer_idx}: {call.num_q_heads} query heads are not a multiple of "
                              f"{call.kv_shape.num_kv_heads} KV heads")
     return sorted(probe.calls, key=lambda call: call.layer_idx)
+
+
+def refuse_sparse_attention_indexers(model: torch.nn.Module) -> None:
+    """DeepSeek-V3.2-style sparse attention: the packed path cannot serve it, and says so by name.
+
+    Its indexer picks each query's top-k keys from a key cache of its own, under the attention
+    mask; a packed step gives it neither (no HF cache, no mask), and the paged attention would not
+    restrict a query to the picked keys.
+    """
+    names = {type(module).__name__ for module in model.modules()}
+    indexers = sorted(name for name in names if name.endswith("Indexer"))
+    if indexers:
+        raise ValueError(f"{indexers[0]} is a sparse-attention indexer (top-k keys per query from its own key cache, "
+                         "under the attention mask), which the packed path does not run")
 
 
 def _layer_mismatch(layer_ids: list[int]) -> str:

@@ -23,7 +23,7 @@ from nnrun.attention import selection
 from nnrun.attention.flashinfer_backend import FlashInferAttnBackend
 from nnrun.attention.flashinfer_plan import plan_paged_kv
 from nnrun.memory import LayerKVShape
-from nnrun.model_probe import AttentionLayerInfo
+from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
 
 VOCAB = 128
 PROMPT_LENGTHS = (5, 11, 3)
@@ -238,6 +238,19 @@ def test_whisper_decoder_ignoring_logits_to_keep_samples_from_the_right_rows():
 def test_models_honouring_logits_to_keep_are_not_sliced_again():
     with nnrun.LLM(tiny_model("bart", **_ENCODER_DECODER), page_size=4) as llm:
         assert not llm.runner.returns_every_position
+
+
+# ---- sparse-attention indexers ------------------------------------------------------------------
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
+def test_sparse_attention_indexers_are_refused_by_name_on_the_packed_path(model_type):
+    """Their indexer needs the attention mask and its own key cache: the packed probe names it, never crashes."""
+    from families.tiny import tiny_model as sweep_tiny_model
+
+    model = sweep_tiny_model(model_type)
+    model.set_attn_implementation("nnrun_paged")
+    with pytest.raises(ValueError, match=r"Indexer is a sparse-attention indexer .* the packed path does not run"):
+        probe_attention_layers(model, torch.device("cpu"))
 
 
 # ---- FlashInfer backend selection ---------------------------------------------------------------
