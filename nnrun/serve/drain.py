@@ -85,7 +85,8 @@ class DrainingServer(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        original: dict[int, Any] = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        signals = (signal.SIGINT, signal.SIGTERM)
+        original: dict[int, Any] = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
         try:
             yield
         finally:

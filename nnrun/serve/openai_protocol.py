@@ -4,6 +4,8 @@ A field a client sets is never silently ignored when it would change the answer:
 wrong types (`stream="yes"`), out-of-range values (`max_tokens=0`) and fields whose OpenAI meaning
 is not served (`echo`, `logprobs`, `best_of` above 1, tools) are answered 400 naming the field.
 Fields that do not change the answer (`user`, `metadata`, `store`, `service_tier`) are accepted.
+vLLM's extra sampling fields (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `repetition_penalty`,
+`stop_token_ids`) are served with vLLM's meaning.
 """
 
 from __future__ import annotations
@@ -40,9 +42,22 @@ class _Sampling(BaseModel):
     frequency_penalty: Penalty = 0.0
     logit_bias: dict[str, float] | None = None
     user: StrictStr | None = None  # who asked, for the operator's logs: no effect on the answer
+    # vLLM's extensions, with vLLM's meaning
+    top_k: Annotated[StrictInt, Field(ge=-1)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    ignore_eos: StrictBool = False
+    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    stop_token_ids: list[StrictInt] | None = None
 
     # Fields whose OpenAI meaning this server does not serve: refused unless left at what does nothing.
     unserved: ClassVar[dict[str, tuple[Any, ...]]] = {}
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The `SamplingParams` keywords these fields set (max_tokens apart: each route has its default)."""
+        return {name: getattr(self, name) for name in (
+            "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+            "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids")}
 
     def refuse_unserved(self) -> None:
         """400 naming the first field set to something this server would not honour."""
@@ -66,7 +81,8 @@ class CompletionRequest(_Sampling):
     best_of: StrictInt | None = None
     logprobs: StrictInt | None = None
 
-    unserved: ClassVar[dict[str, tuple[Any, ...]]] = {"echo": (False,), "suffix": (None,), "best_of": (None, 1), "logprobs": (None,)}
+    unserved: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "echo": (False,), "suffix": (None,), "best_of": (None, 1), "logprobs": (None,)}
 
 
 class TextPart(BaseModel):
@@ -110,9 +126,9 @@ class ChatRequest(_Sampling):
     reasoning_effort: StrictStr | None = None
     modalities: list[StrictStr] | None = None
 
-    unserved: ClassVar[dict[str, tuple[Any, ...]]] = {"logprobs": (None, False), "top_logprobs": (None,), "tools": (None,), "tool_choice": (None,),
-                "functions": (None,), "function_call": (None,), "reasoning_effort": (None,),
-                "modalities": (None, ["text"])}
+    unserved: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "logprobs": (None, False), "top_logprobs": (None,), "tools": (None,), "tool_choice": (None,),
+        "functions": (None,), "function_call": (None,), "reasoning_effort": (None,), "modalities": (None, ["text"])}
 
     def refuse_unserved(self) -> None:
         super().refuse_unserved()

@@ -57,9 +57,7 @@ async def _complete(request: Request, body: _Sampling, prompt: Any, max_tokens: 
                                                     f"{state.config.served_model_name!r}")
     body.refuse_unserved()
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                stop=body.stop, seed=body.seed, presence_penalty=body.presence_penalty,
-                                frequency_penalty=body.frequency_penalty)
+        params = SamplingParams(max_tokens=max_tokens, **body.sampling_kwargs())
         handle = await asyncio.get_running_loop().run_in_executor(
             state.executor, model.submit_completion, prompt, params)
     except ValueError as error:
@@ -176,7 +174,8 @@ def _response(meta: dict, output: RequestOutput, chat: bool) -> dict:
 
 def _usage(output: RequestOutput) -> dict[str, int]:
     num_prompt, num_completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion, "total_tokens": num_prompt + num_completion}
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion}
 
 
 def _chat_prompt(tokenizer: Any, messages: list[dict]) -> str:

@@ -114,3 +114,33 @@ class Client:
         if self.process.poll() is None:
             self.process.kill()
             self.process.communicate(timeout=30)
+
+
+def raw_socket(server: ServerProcess, timeout: float = 10.0) -> socket.socket:
+    """A plain TCP connection to the server, for sending what no HTTP client would."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def read_until_closed(sock: socket.socket, timeout: float) -> bytes:
+    """Everything the server sends until it closes the connection (AssertionError if it has not within `timeout`)."""
+    sock.settimeout(timeout)
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    except socket.timeout:
+        raise AssertionError(f"the server did not close the connection within {timeout} s; it sent {received[:200]!r}")
+    return received
+
+
+def rss_bytes(server: ServerProcess) -> int:
+    """The server process's resident memory."""
+    with open(f"/proc/{server.process.pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS line")

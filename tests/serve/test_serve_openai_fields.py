@@ -1,0 +1,104 @@
+"""Every OpenAI field is served with OpenAI's meaning or refused with a 400 that names it.
+
+Served fields are checked against local generation (`nnrun.LLM.generate`, greedy) with the same
+sampling settings; refused ones against the field name in the answer.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+import nnrun
+from serve_helpers import API_KEY
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The Colosseum is in"
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+BASE = {"model": "tiny-facts", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
+CHAT = {"model": "tiny-facts", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6, "temperature": 0}
+
+REFUSED_COMPLETIONS = [
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -3}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"echo": True}, "echo"),
+    ({"stream": "yes"}, "stream"),
+    ({"stream": 1}, "stream"),
+    ({"best_of": 2}, "best_of"),
+    ({"logprobs": 0}, "logprobs"),
+    ({"logprobs": 3}, "logprobs"),
+    ({"suffix": "!"}, "suffix"),
+    ({"n": 2}, "n"),
+    ({"logit_bias": {"50": 100}}, "logit_bias"),
+    ({"temperature": 3}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"presence_penalty": 5}, "presence_penalty"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"no_such_field": 1}, "no_such_field"),
+    ({"prompt": ["two", "prompts"]}, "prompt"),
+    ({"model": 7}, "model"),
+]
+REFUSED_CHAT = [
+    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "wizard", "content": PROMPT}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]}, "messages.content.type"),
+    ({"messages": []}, "messages"),
+]
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, headers=HEADERS, timeout=60)
+
+
+@pytest.mark.parametrize("change, field", REFUSED_COMPLETIONS, ids=[f for _, f in REFUSED_COMPLETIONS])
+def test_completions_refuse_what_they_do_not_serve_naming_the_field(server, change, field):
+    response = post(server, "/v1/completions", {**BASE, **change})
+    assert response.status_code == 400, response.text
+    assert field in response.json()["detail"], response.text
+
+
+@pytest.mark.parametrize("change, field", REFUSED_CHAT, ids=[f for _, f in REFUSED_CHAT])
+def test_chat_refuses_what_it_does_not_serve_naming_the_field(server, change, field):
+    response = post(server, "/v1/chat/completions", {**CHAT, **change})
+    assert response.status_code == 400, response.text
+    assert field in response.json()["detail"], response.text
+
+
+def test_served_fields_mean_what_they_mean_locally(server, local_model):
+    def local(**params) -> nnrun.RequestOutput:
+        return local_model.engine.generate(PROMPT, nnrun.SamplingParams(temperature=0, **params))[0]
+
+    # The default of max_tokens is OpenAI's 16; token ids as the prompt; what does not change the answer.
+    default = post(server, "/v1/completions", {k: v for k, v in BASE.items() if k != "max_tokens"}).json()
+    assert default["choices"][0]["text"] == local(max_tokens=16).outputs[0].text
+    ids = local_model.tokenizer(PROMPT)["input_ids"]
+    by_ids = post(server, "/v1/completions", {**BASE, "prompt": ids, "best_of": 1, "user": "someone"}).json()
+    assert by_ids["choices"][0]["text"] == local(max_tokens=6).outputs[0].text
+
+    # vLLM's min_tokens and ignore_eos: a generation that would stop early runs its full length.
+    forced = post(server, "/v1/completions", {**BASE, "max_tokens": 12, "min_tokens": 12}).json()
+    expected = local(max_tokens=12, min_tokens=12)
+    assert forced["choices"][0]["text"] == expected.outputs[0].text
+    assert forced["usage"]["completion_tokens"] == len(expected.outputs[0].token_ids) == 12
+
+    # stream_options.include_usage: a last chunk with the usage the plain answer gives.
+    plain = post(server, "/v1/completions", BASE).json()
+    streamed = post(server, "/v1/completions", {**BASE, "stream": True, "stream_options": {"include_usage": True}})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks[:-1]) == plain["choices"][0]["text"]
+
+    # Chat content as text parts reads as the same text.
+    parts = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}]}
+    assert post(server, "/v1/chat/completions", parts).json()["choices"][0]["message"]["content"] == \
+        post(server, "/v1/chat/completions", CHAT).json()["choices"][0]["message"]["content"]
