@@ -9,7 +9,10 @@ every request's tokens, or start where HF starts them:
   hand them to their `embed_positions` module;
 - roberta-style embeddings (roberta, xlm-roberta, xlm-roberta-xl, roberta-prelayernorm, camembert,
   data2vec-text, xmod) number positions from `padding_idx + 1`, as HF does when given no
-  `position_ids`.
+  `position_ids`;
+- Llama 4's NoPE attention layers scale their queries by a temperature of the position
+  (`attn_temperature_tuning`), numbering positions `arange(N)` themselves: the attention glue
+  rescales each packed query to its own position's temperature (`query_rescale`).
 
 Inside an engine step the adapted module's `position_ids` argument becomes the step's per-request
 positions (plus the family's offset); outside a step (a plain call, the load-time probe) it runs
@@ -27,6 +30,7 @@ from typing import Callable
 import torch
 
 from nnrun.attention.context import current_position_ids
+from nnrun.attention.hf_glue import QUERY_RESCALE
 
 _ADAPTED = "_nnrun_position_adapter"  # set on an adapted module: the pass runs once per model object
 
@@ -67,6 +71,10 @@ def adapt_positions(model: torch.nn.Module) -> list[str]:
     """Adapt every module of `model` that numbers positions itself; returns their paths (idempotent)."""
     adapted = []
     for path, module in model.named_modules():
+        if _has_position_temperature(module):
+            module.__dict__[QUERY_RESCALE] = llama4_query_rescale
+            adapted.append(path)
+            continue
         adapter = getattr(module, _ADAPTED, None) or adapter_for(module)
         if adapter is None:
             continue
@@ -91,6 +99,28 @@ def _adapted_forward(self: torch.nn.Module, *args, **kwargs):
     bound = inspect.signature(hf_forward).bind(self, *args, **kwargs)
     bound.arguments["position_ids"] = getattr(self, _ADAPTED).to_module_positions(self, step_positions)
     return hf_forward(*bound.args, **bound.kwargs)
+
+
+def _has_position_temperature(module: torch.nn.Module) -> bool:
+    """A Llama 4 attention layer without RoPE that scales its queries by position (HF's temperature tuning)."""
+    return (hasattr(module, "floor_scale") and hasattr(module, "attn_scale") and hasattr(module, "use_rope")
+            and bool(getattr(module, "attn_temperature_tuning", False)) and not module.use_rope)
+
+
+def _temperature(module: torch.nn.Module, positions: torch.Tensor) -> torch.Tensor:
+    """HF Llama 4's query temperature at `positions` (`[N]`), float32."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+
+def llama4_query_rescale(module: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+    """`[N]` factors taking each query from the temperature HF gave it to its own position's.
+
+    In a packed step HF numbers the `[1, N]` batch `0..N-1` (no cache), not each request's positions;
+    both temperatures are 1 below `floor_scale - 1`, where the factor is exactly 1.
+    """
+    positions = position_ids[0]  # [N]
+    packed = torch.arange(positions.shape[0], device=positions.device)  # [N] what HF numbered them
+    return _temperature(module, positions) / _temperature(module, packed)
 
 
 def _forward_parameters(module: torch.nn.Module) -> set[str]:

@@ -179,6 +179,13 @@ def test_llama4_chunked_attention_matches_hf():
     assert_packed_matches_hf(AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval())
 
 
+def test_llama4_query_temperature_follows_each_requests_positions():
+    """NoPE layers scale queries by a temperature of the position; a floor of 2 makes it grow from position 1."""
+    model = tiny_model("llama4_text", **LLAMA4_TEXT, attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5)
+    assert not model.model.layers[1].self_attn.use_rope  # the NoPE layer, where the temperature applies
+    assert_packed_matches_hf(model)
+
+
 def test_chunks_change_hf_results():
     """Negative control: with chunks longer than the prompt, HF's logits differ, so the tests above can fail."""
     model = tiny_model("llama4_text", **LLAMA4_TEXT)

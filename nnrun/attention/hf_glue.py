@@ -17,10 +17,14 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from nnrun.attention.context import current_backend, current_probs_plan
+from nnrun.attention.context import current_backend, current_position_ids, current_probs_plan
 from nnrun.attention.probabilities import AttentionProbs
 
 ATTN_IMPLEMENTATION = "nnrun_paged"
+# An attention module may carry, under this key of its `__dict__`, a function `(module, position_ids) -> [N]`
+# of factors for its queries: set by a pass over the model (nnrun/position_adapters.py) on modules that
+# scaled their queries by positions they numbered themselves.
+QUERY_RESCALE = "_nnrun_query_rescale"
 
 
 def paged_attention_forward(
@@ -44,6 +48,10 @@ def paged_attention_forward(
     _refuse_unsupported_inputs(module, kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     q = query[0].transpose(0, 1)  # [N, Hq, D]
+    query_rescale = module.__dict__.get(QUERY_RESCALE)  # a module that scaled q by positions of its own
+    position_ids = current_position_ids()
+    if query_rescale is not None and position_ids is not None:
+        q = (q * query_rescale(module, position_ids)[:, None, None]).to(q.dtype)  # [N, Hq, D]
     sliding_window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
     chunk_size = attention_chunk_size(module)
     out = backend.forward(module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1),
