@@ -23,9 +23,36 @@ _SIZES = {
     "encoder_attention_heads": 4, "head_dim": 16, "kv_channels": 16,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_group": 1, "topk_group": 1,
-    "vocab_size": VOCAB_SIZE, "rotary_dim": 8, "rotary_emb_base": 10000,
+    "vocab_size": VOCAB_SIZE, "rotary_dim": 8,
+    # multi-head latent attention (DeepSeek-style): its head dims and ranks
+    "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "kv_lora_rank": 32, "q_lora_rank": 32,
+    # recurrent and state-space widths that default to the full model's
+    "attention_hidden_size": 64, "embedding_dim": 64,
 }
-_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers")
+
+# Families whose default config leaves a size unset (the hub's checkpoints set it), or whose layer
+# kinds follow from a period and offset: values that make a tiny model with one layer of each kind.
+_OVERRIDES: dict[str, dict[str, Any]] = {
+    "ministral": {"head_dim": 16},
+    "hunyuan_v1_dense": {"head_dim": 16},
+    "hunyuan_v1_moe": {"head_dim": 16},
+    "nemotron": {"head_dim": 16, "num_key_value_heads": 2},
+    "gemma3n_text": {"num_kv_shared_layers": 0},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"], "mamba_n_heads": 8,
+                         "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 16},
+    "falcon_h1": {"mamba_n_heads": 16, "mamba_d_head": 8, "mamba_n_groups": 1, "mamba_d_ssm": 128,
+                  "mamba_d_state": 16},
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    "lfm2": {"layer_types": ["conv", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
+    "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1},
+    "bamba": {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 1, "attn_layer_indices": [1]},
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": (32, 32), "axial_pos_shape": (16, 16)},
+    "deepseek_v2": {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 2},
+}
+_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
+                 "num_decoder_layers", "num_encoder_layers")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
 _LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern")
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
@@ -42,6 +69,10 @@ def tiny_config(model_type: str) -> PretrainedConfig:
     config = AutoConfig.for_model(model_type)
     for sub in _configs_of(config):
         _shrink(sub)
+    for name, value in _OVERRIDES.get(model_type, {}).items():
+        setattr(config, name, value)
+        if name in _LAYER_LISTS:
+            config.num_hidden_layers = len(value)
     return config
 
 
@@ -68,8 +99,10 @@ def _shrink(config: PretrainedConfig) -> None:
     for name, value in _SIZES.items():
         _set_if_int(config, name, value)
     heads = getattr(config, "num_attention_heads", 4)
+    # Latent attention (DeepSeek-style) expands its keys to every head; elsewhere two KV heads exercise GQA.
+    kv_heads = heads if hasattr(config, "kv_lora_rank") else 2 if isinstance(heads, int) and heads % 2 == 0 else 1
     for name in _KV_HEADS:
-        _set_if_int(config, name, 2 if isinstance(heads, int) and heads % 2 == 0 else 1)
+        _set_if_int(config, name, kv_heads)
     for name in ("max_position_embeddings", "n_positions", "n_ctx", "max_target_positions", "seq_length"):
         if isinstance(getattr(config, name, None), int) and getattr(config, name) > MAX_POSITIONS:
             setattr(config, name, MAX_POSITIONS)
@@ -91,7 +124,10 @@ def _shrink_layer_lists(config: PretrainedConfig) -> int:
         if isinstance(kinds, (list, tuple, str)) and kinds and not _is_derived(config, name):
             kept = list(dict.fromkeys(kinds))
             kept = kept * 2 if len(kept) == 1 else kept
-            setattr(config, name, "".join(kept) if isinstance(kinds, str) else kept)
+            try:
+                setattr(config, name, "".join(kept) if isinstance(kinds, str) else kept)
+            except AttributeError:  # computed from other fields after all: left to follow them
+                continue
             return len(kept)
     return 2
 
@@ -103,6 +139,12 @@ def _is_derived(config: Any, name: str) -> bool:
 
 
 def _set_if_int(config: Any, name: str, value: int) -> None:
-    current = getattr(config, name, None)
-    if isinstance(current, int) and not isinstance(current, bool) and current > value:
-        setattr(config, name, value)
+    try:
+        current = getattr(config, name, None)
+    except Exception:  # a per-layer attribute read globally (Gemma 4): left as it is
+        return
+    if isinstance(current, int) and not isinstance(current, bool) and current > value and not _is_derived(config, name):
+        try:
+            setattr(config, name, value)
+        except (AttributeError, NotImplementedError):  # a count the family derives from others (ProphetNet's)
+            pass
