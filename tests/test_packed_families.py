@@ -18,10 +18,12 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import nnrun
+from fake_cuda_graph import RecordingCapturer
 from fake_flashinfer import make_fake_flashinfer
 from nnrun.attention import selection
 from nnrun.attention.flashinfer_backend import FlashInferAttnBackend
 from nnrun.attention.flashinfer_plan import plan_paged_kv
+from nnrun.forward_batch import OUTPUT_ATTENTIONS_ARG
 from nnrun.memory import LayerKVShape
 from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
 
@@ -195,6 +197,42 @@ def test_chunks_change_hf_results():
     assert (hf_logits(model, prompt) - hf_logits(unchunked, prompt)).abs().max() > 1e-3
 
 
+# ---- attention probabilities (HF's output_attentions) with sinks and chunks -------------------------
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text"])
+def test_attention_probabilities_with_sinks_and_chunks_match_hf_eager(model_type):
+    """Asking requests get HF eager's probabilities: the sink's share left out of each row, chunks masked."""
+    settings = SINK_FAMILIES["gpt_oss"] if model_type == "gpt_oss" else LLAMA4_TEXT
+    model = tiny_model(model_type, **settings)
+    oracle = hf_twin(model)
+    prompts = prompts_of()
+    attention = [module for module in model.modules() if type(module).__name__.endswith("Attention")]
+    seen: dict = {}
+    with nnrun.LLM(model, page_size=4) as llm:
+        runner = llm.runner
+        reqs = [llm.make_request(prompt, nnrun.SamplingParams(max_tokens=1), extra_args={OUTPUT_ATTENTIONS_ARG: True})
+                for prompt in prompts]
+        def record(module, args, output) -> None:
+            seen[module.layer_idx] = output[1]
+
+        handles = [module.register_forward_hook(record) for module in attention]
+        try:
+            for req in reqs:
+                req.page_ids = runner.allocator.alloc(runner.allocator.pages_needed(req.num_tokens))
+                req.req_pool_idx = runner.req_to_token_pool.alloc()
+            runner.forward(runner.prepare_forward_batch_extend(reqs))
+        finally:
+            for handle in handles:
+                handle.remove()
+            for req in reqs:
+                runner.release_kv(req)
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            expected = oracle(torch.tensor([prompt]), output_attentions=True).attentions  # per layer [1, H, T, T]
+        for layer, want in enumerate(expected):
+            assert_close_to(seen[layer].for_row(row), want, f"{model_type} layer {layer}, prompt {row}")
+
+
 # ---- positions the model numbers itself ---------------------------------------------------------
 
 _ENCODER_DECODER = dict(d_model=64, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
@@ -232,6 +270,32 @@ def test_adapted_models_called_plainly_number_positions_as_hf():
         assert "forward" in vars(model.model.decoder.embed_positions)  # the adapter is installed
         assert_close_to(hf_logits(model, prompt), hf_logits(oracle, prompt), "bart called plainly")
 
+
+@pytest.mark.parametrize("model_type", ["bart", "roberta"])
+def test_adapted_positions_survive_decode_cuda_graphs(monkeypatch, model_type):
+    """A replayed graph runs no Python: the adapted modules must read the graph's static positions buffer."""
+    monkeypatch.setitem(sys.modules, "flashinfer", make_fake_flashinfer())
+    if model_type == "bart":
+        model = tiny_model("bart", **_ENCODER_DECODER)
+    else:
+        model = tiny_model("roberta", is_decoder=True, **_SMALL_SPECIAL_IDS)
+    oracle = hf_twin(model)
+    prompts = prompts_of((5, 11, 3))
+    with nnrun.LLM(model, page_size=4) as llm:
+        _use_flashinfer(llm)
+        llm.runner.config.device.cuda_graph_batch_sizes = [1, 2, 4]
+        capturer = RecordingCapturer()
+        llm.runner.init_cuda_graphs(capturer=capturer)
+        params = nnrun.SamplingParams(max_tokens=DECODE_STEPS, temperature=0, logprobs=0, ignore_eos=True)
+        outputs = llm.generate(prompts, params)
+    assert capturer.replays == DECODE_STEPS - 1  # every decode step replayed a graph
+    for prompt, output in zip(prompts, outputs):
+        tokens = output.outputs[0].token_ids
+        expected = torch.log_softmax(hf_logits(oracle, prompt + tokens), dim=-1)  # [T, V]
+        for step, token in enumerate(tokens):
+            row = expected[len(prompt) - 1 + step]
+            assert token == row.argmax().item(), f"{model_type}: replayed decode step {step}"
+            assert_close_to(torch.tensor(output.outputs[0].logprobs[step][token]), row[token], model_type)
 
 # ---- logits rows --------------------------------------------------------------------------------
 
