@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from nnrun.exact.hf_forward import HFForward
-from nnrun.exact.probe import hf_references, packed_path_difference, probe_prompts
+from nnrun.exact.probe import hf_references, packed_path_difference, probe_lengths, probe_prompts
 from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
 
 if TYPE_CHECKING:
@@ -44,7 +44,9 @@ def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFF
     model = runner.model
     family = family_of(model)
     hf = HFForward(model, runner.device)
-    prompts = probe_prompts(model.get_input_embeddings().num_embeddings, _special_ids(model), _shortest_window(runner))
+    max_len = min(runner.max_model_len, runner.req_to_token_pool.max_context_len)
+    lengths = probe_lengths(_shortest_window(runner), max_len, runner.max_total_tokens, runner.allocator.page_size)
+    prompts = probe_prompts(model.get_input_embeddings().num_embeddings, _special_ids(model), lengths)
     with hf_attention(model):
         references = hf_references(hf, prompts, family)
     reason = packed_unfit or packed_path_difference(runner, prompts, references)

@@ -62,11 +62,29 @@ def differs(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> float 
     return error if not error <= rtol else None  # a NaN counts as differing
 
 
-def probe_prompts(vocab_size: int, special_ids: set[int], window: int | None) -> list[ProbePrompt]:
-    """Seeded token ids, none of them a special token; one prompt crosses a short window if there is one."""
+def probe_lengths(window: int | None, max_len: int, num_slots: int, page_size: int) -> list[int]:
+    """The probe prompts' lengths: one crosses a short window if there is one; all fit the context and the KV pool.
+
+    Each prompt needs room for its decode token; prompts are dropped from the end, then shortened,
+    until they fit `num_slots` KV slots of `page_size`-token pages.
+    """
     lengths = list(PROBE_LENGTHS)
     if window is not None and window + 2 <= MAX_WINDOW_PROBED:
         lengths[1] = max(lengths[1], window + 2)
+    lengths = [max(1, min(n, max_len - 1)) for n in lengths]
+
+    def slots(ns: list[int]) -> int:
+        return sum(-(-(n + 1) // page_size) * page_size for n in ns)
+
+    while len(lengths) > 1 and slots(lengths) > num_slots:
+        lengths.pop()
+    while lengths[0] > 1 and slots(lengths) > num_slots:
+        lengths[0] -= 1
+    return lengths
+
+
+def probe_prompts(vocab_size: int, special_ids: set[int], lengths: list[int]) -> list[ProbePrompt]:
+    """Seeded token ids of these lengths, none of them a special token, each with its decode step's token."""
     pool = [t for t in range(min(vocab_size, 4096)) if t not in special_ids] or list(range(vocab_size))
     generator = torch.Generator().manual_seed(0)
     picks = torch.randint(len(pool), (sum(lengths) + len(lengths),), generator=generator).tolist()

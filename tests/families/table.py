@@ -39,6 +39,13 @@ tokens of each. What each outcome means:
   packed numbers differ from HF's; nnrun runs each request through HF's own forward and HF's own
   cache instead (same engine, scheduler, nnsight API, streaming, serving and extraction; slower,
   and an invoke over several prompts is refused). The reason is what nnrun logs at load.
+
+The probe runs at every engine start, for any model (not only these families): three short prompts
+packed in one step and then one decode step each, against the model's own HF forward of each
+prompt alone with HF's own cache, compared relative to the logits' magnitude (1e-3 in fp32, 2e-2
+in half precision). A model that differs never serves from the packed path. `LLM(...,
+forward_path="exact")` (or `nnrun.LanguageModel(..., forward_path="exact")`) puts any model on the
+exact path.
 - **refused at load**: the family's own HF forward fails on a plain prompt as configured; nnrun
   says so at load, naming the family and HF's error.
 - **not checked**: the sweep's tiny version of the default config does not build (the failure is

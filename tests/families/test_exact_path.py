@@ -185,3 +185,18 @@ def test_exact_path_refuses_an_invoke_over_several_prompts_by_name(nnsight_model
     with ours.trace("the cat sat"):  # the engine goes on serving
         hidden = ours.model.layers[0].output.save()
     assert hidden.shape[:2] == (1, 3)
+
+
+def test_probe_prompts_fit_the_context_and_the_kv_pool():
+    from nnrun.exact.probe import probe_lengths
+
+    assert probe_lengths(None, max_len=256, num_slots=1024, page_size=16) == [5, 11, 3]
+    assert probe_lengths(20, max_len=256, num_slots=1024, page_size=16) == [5, 22, 3]  # crosses the window
+    assert probe_lengths(None, max_len=8, num_slots=1024, page_size=16) == [5, 7, 3]  # room for the decode token
+    assert probe_lengths(None, max_len=256, num_slots=32, page_size=16) == [5, 11]
+    assert probe_lengths(None, max_len=256, num_slots=4, page_size=4) == [3]
+
+
+def test_a_small_context_and_pool_keep_an_exact_model_on_the_packed_path():
+    with nnrun.LLM(tiny_llama(), max_model_len=6, page_size=4, max_total_tokens=8) as llm:
+        assert llm.runner.exact_forward is None
