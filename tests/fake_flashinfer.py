@@ -7,7 +7,8 @@ the planned arrays only: CSR page tables (`kv_indptr`, `kv_indices`, `kv_last_pa
 masking, inclusive `window_left`, `logits_soft_cap * tanh(x / logits_soft_cap)` on scaled logits
 and `sm_scale` (default `head_dim ** -0.5`). It checks what the real library would reject
 (index dtypes and lengths, q and KV shapes and dtypes, run before plan, a run-time window that
-differs from the planned one) and records every plan and run in `module.calls`.
+differs from the planned one) and records every plan and run in `module.calls`. `run(...,
+return_lse=True)` also returns each row's log-sum-exp in base 2, as FlashInfer does.
 
 `make_fake_flashinfer()` returns a fresh module object; inject it with
 `monkeypatch.setitem(sys.modules, "flashinfer", module)`.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -129,8 +131,12 @@ def _make_plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
 
 
 def _attend(plan: _Plan, q: torch.Tensor, paged_kv_cache: KVCache, kv_layout: str,
-            window_left: Optional[int]) -> torch.Tensor:
-    """The documented semantics, one request at a time in float32."""
+            window_left: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The documented semantics, one request at a time in float32.
+
+    Returns the output and the log-sum-exp of each row's (scaled, capped, masked) logits, `[N, Hq]`
+    float32 in base 2 (FlashInfer's default `lse`: `log2(sum_j exp(logit_j))`).
+    """
     if window_left is not None and window_left != plan.window_left:
         raise AssertionError("run-time window_left must equal the planned one (non-trtllm backends)")
     k_cache, v_cache = _split_kv_cache(paged_kv_cache, kv_layout)
@@ -150,6 +156,7 @@ def _attend(plan: _Plan, q: torch.Tensor, paged_kv_cache: KVCache, kv_layout: st
     seq_lens = get_seq_lens(plan.kv_indptr, plan.kv_last_page_len, plan.page_size).tolist()
     group = plan.num_qo_heads // plan.num_kv_heads
     out = torch.empty((q.shape[0], plan.num_qo_heads, plan.head_dim_vo), dtype=plan.o_data_type, device=q.device)
+    lse = torch.empty((q.shape[0], plan.num_qo_heads), dtype=torch.float32, device=q.device)  # [N, Hq] base 2
     for b, kv_len in enumerate(seq_lens):
         q_start, q_end = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
         if q_start == q_end:
@@ -167,9 +174,10 @@ def _attend(plan: _Plan, q: torch.Tensor, paged_kv_cache: KVCache, kv_layout: st
             allowed &= kv_pos <= q_pos
         if plan.window_left >= 0:
             allowed &= kv_pos >= q_pos - plan.window_left
-        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
-        out[q_start:q_end] = torch.einsum("hnl,lhd->nhd", probs, values).to(plan.o_data_type)
-    return out
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[q_start:q_end] = torch.einsum("hnl,lhd->nhd", scores.softmax(dim=-1), values).to(plan.o_data_type)
+        lse[q_start:q_end] = (scores.logsumexp(dim=-1) / math.log(2)).transpose(0, 1)  # [n, Hq]
+    return out, lse
 
 
 class BatchPrefillWithPagedKVCacheWrapper:
@@ -221,8 +229,10 @@ class BatchPrefillWithPagedKVCacheWrapper:
             lse_layout: str = "NH", enable_pdl: Optional[bool] = None, window_left: Optional[int] = None,
             sinks: PosTensor = None, kv_cache_sf=None, skip_softmax_threshold_scale_factor: Optional[float] = None,
             use_fp16_softmax: Optional[bool] = None, uses_spcompress: Optional[bool] = None) -> torch.Tensor:
-        return _run_planned(self, q, paged_kv_cache, out, window_left,
-                            unsupported=bool(args) or return_lse or sinks is not None
+        if lse_base != "log2" or lse_layout != "NH" or lse is not None:
+            raise NotImplementedError("the emulator returns lse in base 2, layout NH, into a new tensor")
+        return _run_planned(self, q, paged_kv_cache, out, window_left, return_lse,
+                            unsupported=bool(args) or sinks is not None
                             or any(s is not None for s in (q_scale, k_scale, v_scale)))
 
 
@@ -290,45 +300,53 @@ class BatchDecodeWithPagedKVCacheWrapper:
             window_left: Optional[int] = None, sinks: PosTensor = None, q_len_per_req: Optional[int] = None,
             skip_softmax_threshold_scale_factor: Optional[float] = None, kv_cache_sf=None) -> torch.Tensor:
         # The query is the last token of its request: no key lies after it, so no causal mask is needed.
+        if lse is not None:
+            raise NotImplementedError("the emulator returns lse into a new tensor")
         if self.use_cuda_graph:
-            return self._run_from_buffers(q, paged_kv_cache, out, window_left)
-        return _run_planned(self, q, paged_kv_cache, out, window_left,
-                            unsupported=bool(args) or return_lse or sinks is not None
+            return self._run_from_buffers(q, paged_kv_cache, out, window_left, return_lse)
+        return _run_planned(self, q, paged_kv_cache, out, window_left, return_lse,
+                            unsupported=bool(args) or sinks is not None
                             or any(s is not None for s in (q_scale, k_scale, v_scale)))
 
 
-    def _run_from_buffers(self, q, paged_kv_cache, out, window_left) -> torch.Tensor:
+    def _run_from_buffers(self, q, paged_kv_cache, out, window_left, return_lse):
         """Graph mode: one kernel launch that reads the page tables from the fixed buffers when it runs."""
         if self._plan is None:
             raise RuntimeError("plan() must be called before run()")
         planned = self._plan
         out = out if out is not None else torch.empty(
             (q.shape[0], planned.num_qo_heads, planned.head_dim_vo), dtype=planned.o_data_type, device=q.device)
+        lse = torch.empty((q.shape[0], planned.num_qo_heads), dtype=torch.float32, device=q.device)  # [N, Hq]
         indptr_buf, indices_buf, last_page_len_buf = self._buffers
 
         def kernel() -> None:
             current = dataclasses.replace(planned, kv_indptr=indptr_buf.cpu().long(),
                                           kv_indices=indices_buf.cpu().long(),
                                           kv_last_page_len=last_page_len_buf.cpu().long())
-            out.copy_(_attend(current, q, paged_kv_cache, self.kv_layout, window_left))
+            result, result_lse = _attend(current, q, paged_kv_cache, self.kv_layout, window_left)
+            out.copy_(result)
+            lse.copy_(result_lse)
 
         launch_kernel(kernel)
         self._info = {"plan": planned, "num_tokens": q.shape[0]}
-        return out
+        return (out, lse) if return_lse else out
 
 
-def _run_planned(wrapper, q: torch.Tensor, paged_kv_cache, out, window_left, unsupported: bool) -> torch.Tensor:
-    """What both wrappers' run() do: attend with the planned arrays, recording the call."""
+def _run_planned(wrapper, q: torch.Tensor, paged_kv_cache, out, window_left, return_lse: bool, unsupported: bool):
+    """What both wrappers' run() do: attend with the planned arrays, recording the call.
+
+    Returns the output, or `(output, lse)` with `return_lse` (lse `[N, Hq]` float32, base 2).
+    """
     if wrapper._plan is None:
         raise RuntimeError("plan() must be called before run()")
     if unsupported:
-        raise NotImplementedError("the emulator implements plain attention output only")
-    result = _attend(wrapper._plan, q, paged_kv_cache, wrapper.kv_layout, window_left)
+        raise NotImplementedError("the emulator implements the attention output and its lse only")
+    result, lse = _attend(wrapper._plan, q, paged_kv_cache, wrapper.kv_layout, window_left)
     wrapper._info = {"plan": wrapper._plan, "num_tokens": q.shape[0]}
     if out is not None:
         out.copy_(result)
-        return out
-    return result
+        result = out
+    return (result, lse) if return_lse else result
 
 def make_fake_flashinfer() -> types.ModuleType:
     """A fresh `flashinfer` stand-in whose wrappers record into its own `calls` list."""

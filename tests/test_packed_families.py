@@ -8,6 +8,7 @@ the same prompt run alone through plain HF (eager attention, no cache), and ever
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import sys
 from types import SimpleNamespace
@@ -332,20 +333,50 @@ def _layers(**settings) -> list[AttentionLayerInfo]:
                                softcap=None, **settings) for i in range(2)]
 
 
-def test_auto_keeps_the_torch_backend_for_sinks_and_says_why(monkeypatch, caplog):
+def test_auto_takes_flashinfer_for_sink_layers(monkeypatch):
+    import nnrun.attention.flashinfer_backend as flashinfer_backend
+
+    monkeypatch.setattr(selection, "_flashinfer_available", lambda: True)
+    monkeypatch.setattr(flashinfer_backend, "FlashInferAttnBackend", lambda pool, device, layers: "flashinfer")
+    pool = SimpleNamespace(k_pages=[torch.empty(0, dtype=torch.bfloat16)], page_size=16)
+    backend = selection.create_attention_backend("auto", pool, torch.device("cuda"), _layers(has_sinks=True))
+    assert backend == "flashinfer"
+
+
+def test_auto_keeps_the_torch_backend_for_sinks_with_a_softcap_and_says_why(monkeypatch, caplog):
     monkeypatch.setattr(selection, "_flashinfer_available", lambda: True)
     monkeypatch.setattr(selection, "TorchAttnBackend", lambda pool, device: "torch")
-    pool = SimpleNamespace(k_pages=[torch.empty(0, dtype=torch.bfloat16)])
+    pool = SimpleNamespace(k_pages=[torch.empty(0, dtype=torch.bfloat16)], page_size=16)
+    layers = [dataclasses.replace(layer, softcap=30.0) for layer in _layers(has_sinks=True)]
     with caplog.at_level(logging.INFO, logger=selection.__name__):
-        backend = selection.create_attention_backend("auto", pool, torch.device("cuda"), _layers(has_sinks=True))
-    assert backend == "torch"
-    assert "layers [0, 1] have attention sinks" in caplog.text
-
-
-def test_explicit_flashinfer_with_sinks_names_them():
-    pool = SimpleNamespace(k_pages=[torch.empty(0, dtype=torch.bfloat16)])
+        assert selection.create_attention_backend("auto", pool, torch.device("cuda"), layers) == "torch"
+    assert "layers [0, 1] have attention sinks and a softcap together" in caplog.text
     with pytest.raises(ValueError, match=r"attention_backend='flashinfer': layers \[0, 1\] have attention sinks"):
-        selection.create_attention_backend("flashinfer", pool, torch.device("cuda"), _layers(has_sinks=True))
+        selection.create_attention_backend("flashinfer", pool, torch.device("cuda"), layers)
+
+
+# ---- attention sinks on the FlashInfer backend (its torch emulator on CPU) --------------------------
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "granite_swa"])
+def test_sinks_on_the_flashinfer_backend_match_hf(monkeypatch, model_type):
+    """The sink is applied from the kernel's base-2 log-sum-exp; prefill, decode and decode CUDA graphs."""
+    fake = make_fake_flashinfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    model = tiny_model(model_type, **SINK_FAMILIES[model_type])
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+                module.sinks.copy_(torch.linspace(-1.0, 2.0, module.sinks.numel()))
+    capturer = RecordingCapturer()
+
+    def flashinfer_with_graphs(llm: nnrun.LLM) -> None:
+        _use_flashinfer(llm)
+        llm.runner.config.device.cuda_graph_batch_sizes = [1, 2, 4]
+        llm.runner.init_cuda_graphs(capturer=capturer)
+
+    assert_packed_matches_hf(model, swap_backend=flashinfer_with_graphs)
+    assert capturer.replays == DECODE_STEPS - 1
+    assert any(call.kwargs.get("return_lse") for call in fake.calls if call.kind == "run")
 
 
 # ---- chunked attention on the FlashInfer backend (its torch emulator on CPU) -------------------------
@@ -381,3 +412,51 @@ def test_chunks_that_split_a_page_keep_the_torch_backend():
     pool = SimpleNamespace(k_pages=[torch.empty(0, dtype=torch.bfloat16)], page_size=4)
     with pytest.raises(ValueError, match=r"attention chunks of \[6\] tokens are not whole KV pages of 4 tokens"):
         selection.create_attention_backend("flashinfer", pool, torch.device("cuda"), layers)
+
+
+# ---- the real FlashInfer kernels (CUDA only) ----------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_real_flashinfer_sinks_and_chunks_match_the_torch_backend():
+    """On the real kernels: sinks from the log-sum-exp (a full and a sliding layer) and chunks of 2 pages."""
+    pytest.importorskip("flashinfer")
+    from test_gpu_flashinfer import PAGE_SIZE, _forward_batch
+
+    from nnrun.attention.torch_backend import TorchAttnBackend
+    from nnrun.forward_batch import ForwardMode
+    from nnrun.memory import KVPool
+    from nnrun.request import Request
+
+    shape = LayerKVShape(2, 64, 64)
+    layers = [AttentionLayerInfo(0, 8, shape, 0.125, None, None, has_sinks=True),
+              AttentionLayerInfo(1, 8, shape, 0.125, 24, None, has_sinks=True),
+              AttentionLayerInfo(2, 8, shape, 0.125, None, None, chunk_size=2 * PAGE_SIZE)]
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    flashinfer_backend = FlashInferAttnBackend(KVPool([shape] * 3, 64, PAGE_SIZE, dtype, device), device, layers)
+    torch_backend = TorchAttnBackend(KVPool([shape] * 3, 64, PAGE_SIZE, dtype, device), device)
+    sinks = torch.linspace(-1.0, 3.0, 8, device=device)  # [Hq]
+    pages = torch.randperm(64, generator=torch.Generator().manual_seed(0)).tolist()
+    reqs = [Request(f"r{i}", [0] * n, nnrun.SamplingParams(max_tokens=1)) for i, n in enumerate([37, 130, 1])]
+    for req, num_pages in zip(reqs, [4, 10, 2]):
+        req.page_ids = [pages.pop() for _ in range(num_pages)]
+    steps = [([37, 130, 1], ForwardMode.EXTEND), ([1, 20, 1], ForwardMode.EXTEND)]
+    steps += [([1, 1, 1], ForwardMode.DECODE)] * 3
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    for step_index, (new_lens, mode) in enumerate(steps):
+        if step_index:
+            for req, new_len in zip(reqs, new_lens):
+                req.prompt_token_ids = req.prompt_token_ids + [0] * new_len
+        forward_batch = _forward_batch(reqs, new_lens, mode)
+        flashinfer_backend.init_forward_metadata(forward_batch)
+        torch_backend.init_forward_metadata(forward_batch)
+        for layer in layers:
+            n = forward_batch.num_tokens
+            q = torch.randn(n, 8, 64, device=device, generator=generator).to(dtype)
+            k = torch.randn(n, 2, 64, device=device, generator=generator).to(dtype)
+            v = torch.randn(n, 2, 64, device=device, generator=generator).to(dtype)
+            settings = dict(sinks=sinks if layer.has_sinks else None, chunk_size=layer.chunk_size)
+            got = flashinfer_backend.forward(layer.layer_idx, q, k, v, 0.125, layer.sliding_window, None, **settings)
+            want = torch_backend.forward(layer.layer_idx, q, k, v, 0.125, layer.sliding_window, None, **settings)
+            # bf16 inputs, two kernels' summation orders: the bound is bf16's, relative to the outputs' size
+            assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), (step_index, layer.layer_idx)

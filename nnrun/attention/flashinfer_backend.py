@@ -6,6 +6,7 @@ tests inject a torch emulator of the two wrappers under the name `flashinfer`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -57,6 +58,7 @@ class FlashInferAttnBackend(AttentionBackend):
         unplanned = flashinfer_unplanned_features(layers, kv_pool.page_size)
         if unplanned:
             raise ValueError(f"the flashinfer attention backend cannot serve this model: {unplanned}")
+        self.sink_layers = {layer.layer_idx for layer in layers if layer.has_sinks}
         self.groups: list[PlanGroup] = group_layers(layers)
         self.layer_to_group = layer_to_group_index(self.groups, len(layers))
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)  # [bytes]
@@ -179,12 +181,15 @@ class FlashInferAttnBackend(AttentionBackend):
             return q.new_empty((0, q.shape[1], v.shape[-1]))  # [0, Hq, Dv]
         group_index = self.layer_to_group[layer_idx]
         self._check_layer_call(layer_idx, self.groups[group_index], scaling, sliding_window, softcap, chunk_size)
-        if sinks is not None:
-            raise RuntimeError(f"layer {layer_idx} attends with attention sinks, which the load-time probe did not "
-                               "see and the flashinfer backend does not apply")
+        if (sinks is not None) != (layer_idx in self.sink_layers):
+            raise RuntimeError(f"layer {layer_idx} attends {'with' if sinks is not None else 'without'} attention "
+                               "sinks, unlike at the load-time probe")
         kv_cache = (self.kv_pool.k_pages[layer_idx], self.kv_pool.v_pages[layer_idx])  # NHD [pages, page_size, Hkv, D]
-        out = meta.wrappers[group_index].run(q.to(self.dtype).contiguous(), kv_cache)  # [N, Hq, Dv]
-        return out.to(q.dtype)
+        wrapper = meta.wrappers[group_index]
+        if sinks is None:
+            return wrapper.run(q.to(self.dtype).contiguous(), kv_cache).to(q.dtype)  # [N, Hq, Dv]
+        out, lse = wrapper.run(q.to(self.dtype).contiguous(), kv_cache, return_lse=True)  # [N, Hq, Dv], [N, Hq]
+        return _with_sinks(out, lse, sinks).to(q.dtype)
 
     @staticmethod
     def _check_layer_call(layer_idx: int, group: PlanGroup, scaling, sliding_window, softcap, chunk_size) -> None:
@@ -196,6 +201,17 @@ class FlashInferAttnBackend(AttentionBackend):
                 f"layer {layer_idx} attends with scaling={scaling}, sliding_window={sliding_window}, "
                 f"softcap={softcap}, chunk_size={chunk_size}, but the load-time probe planned {planned}"
             )
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with each head's sink logit in the softmax, from attention without it and its log-sum-exp.
+
+    With Z the sum of exp(logits) and s the sink, the sink's softmax scales every probability by
+    Z / (Z + exp(s)) = sigmoid(ln Z - s); FlashInfer's lse is ln Z in base 2 (log2 Z).
+    `out` [N, Hq, Dv], `lse` [N, Hq] float32, `sinks` [Hq]; float32 [N, Hq, Dv].
+    """
+    scale = torch.sigmoid(lse * math.log(2) - sinks.float())  # [N, Hq]
+    return out.float() * scale[:, :, None]
 
 
 def _decode_uses_tensor_cores(group: PlanGroup) -> bool:

@@ -22,7 +22,7 @@ def create_attention_backend(name: str, kv_pool: KVPool, device: torch.device, l
 
     "auto" takes FlashInfer on CUDA when it is installed, the cache is fp16/bf16, every layer's
     head dim is one its kernels exist for and no layer needs what nnrun's FlashInfer backend does
-    not plan (attention sinks); everything else runs on the torch backend.
+    not plan (`flashinfer_unplanned_features`); everything else runs on the torch backend.
     """
     half = kv_pool.k_pages and kv_pool.k_pages[0].dtype in (torch.float16, torch.bfloat16)
     # Only the real kernels have the restriction (on CPU the backend runs under the tests' emulator).
@@ -53,13 +53,14 @@ def create_attention_backend(name: str, kv_pool: KVPool, device: torch.device, l
 def flashinfer_unplanned_features(layers: list, page_size: int | None) -> str | None:
     """Why nnrun's FlashInfer backend cannot serve these layers, or None when it can.
 
-    Attention sinks: FlashInfer 0.7.2's paged wrappers take none (only its trtllm-gen backend and a
-    JIT-compiled sink variant do, which nnrun has not validated against HF on hardware). Chunked
+    Attention sinks are applied from the kernel's log-sum-exp, which is that of the capped logits
+    when a softcap is set: no family has both, and nnrun does not plan them together. Chunked
     attention is planned as one request per chunk, which needs chunks made of whole KV pages.
     """
-    sink_layers = [layer.layer_idx for layer in layers if layer.has_sinks]
-    if sink_layers:
-        return f"layers {sink_layers} have attention sinks, which nnrun's FlashInfer backend does not apply"
+    capped_sink_layers = [layer.layer_idx for layer in layers if layer.has_sinks and layer.softcap is not None]
+    if capped_sink_layers:
+        return (f"layers {capped_sink_layers} have attention sinks and a softcap together, which nnrun's FlashInfer "
+                "backend does not plan")
     odd_chunks = sorted({layer.chunk_size for layer in layers
                          if layer.chunk_size is not None and (page_size is None or layer.chunk_size % page_size)})
     if odd_chunks:
