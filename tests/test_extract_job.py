@@ -268,3 +268,29 @@ def test_unknown_module_is_refused_with_a_suggestion(llama, tmp_path):
         extract(llama[0], random_prompts([3]), "model.layers.1.mlpp", tmp_path, progress=False)
     with pytest.raises(ValueError, match="listed twice"):
         resolve_modules(llama[0].model, ["model.layers.0", "model.layers.0.output"])
+
+
+def test_any_object_with_run_is_an_executor(llama, tmp_path):
+    """The executor interface: `run(ExtractionRequest)`; one that delegates writes the local folder's bytes."""
+    from nnrun.extract import ExtractionRequest, LocalExecutor
+
+    class Recording:
+        def __init__(self):
+            self.requests = []
+
+        def run(self, request):
+            self.requests.append(request)
+            return LocalExecutor().run(request)
+
+    llm = llama[0]
+    prompts = random_prompts([5, 9, 3])
+    extract(llm, prompts, "model.layers.0", tmp_path / "local", progress=False)
+    recording = Recording()
+    extract(llm, prompts, "model.layers.0", tmp_path / "custom", progress=False, executor=recording)
+    (request,) = recording.requests
+    assert isinstance(request, ExtractionRequest) and request.out_dir == tmp_path / "custom"
+    assert _files(tmp_path / "local") == _files(tmp_path / "custom")
+    with pytest.raises(ValueError, match=r"num_engines, ray_address and verbose do not apply to Recording"):
+        extract(llm, prompts, "model.layers.0", tmp_path / "x", executor=recording, num_engines=2)
+    with pytest.raises(ValueError, match=r"executor must be 'local', 'ray', a RayExecutor or an object with run"):
+        extract(llm, prompts, "model.layers.0", tmp_path / "y", executor="dask")

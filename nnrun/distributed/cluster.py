@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -38,16 +38,6 @@ class RayExecutor:
     @property
     def window(self) -> int:
         return self.max_ranges_ahead if self.max_ranges_ahead is not None else 2 * self.num_engines
-
-
-def as_executor(executor: Any, num_engines: int | None, address: str | None, verbose: bool) -> RayExecutor:
-    """The RayExecutor that `nnrun.extract`'s executor= and its shorthands name."""
-    if isinstance(executor, RayExecutor):
-        changes = {"num_engines": num_engines, "address": address, "verbose": verbose or None}
-        return replace(executor, **{name: value for name, value in changes.items() if value is not None})
-    if executor != "ray":
-        raise ValueError(f"executor must be 'local', 'ray' or a RayExecutor, got {executor!r}")
-    return RayExecutor(num_engines=1 if num_engines is None else num_engines, address=address, verbose=verbose)
 
 
 def connect(address: str | None) -> bool:

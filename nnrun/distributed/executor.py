@@ -17,30 +17,55 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nnrun.distributed.cluster import RayExecutor, connect, start_engines, uses_gpus
 from nnrun.distributed.engine import EngineSpec, ExtractionEngine, JobDescription
 from nnrun.distributed.monitor import EngineMonitor
 from nnrun.distributed.progress import EngineProgress
 from nnrun.extract.committer import ShardCommit, ShardCommitter
-from nnrun.extract.inputs import PromptSource
 from nnrun.extract.job import ExtractionOptions, run_in_folder, stop_error
 from nnrun.extract.manifest import Manifest, settings_diff
 from nnrun.extract.plan import HashedRecords, ShardPlan, plan_shards
 from nnrun.extract.prepare import prepare_prompts
 from nnrun.extract.progress import ExtractionSummary
 
+if TYPE_CHECKING:
+    from nnrun.extract.executors import ExtractionRequest
+
 __all__ = ["RayExecutor", "extract_on_ray"]
 
 
-def extract_on_ray(model: Any, tokenizer: Any, llm_kwargs: dict[str, Any] | None, source: PromptSource,
-                   modules: list[str] | str, out_dir: Path, options: ExtractionOptions,
-                   executor: RayExecutor) -> ExtractionSummary:
+@dataclass(frozen=True)
+class RayRunner:
+    """The extraction executor (`run(request)`) for a RayExecutor's settings."""
+
+    settings: RayExecutor
+
+    def run(self, request: ExtractionRequest) -> ExtractionSummary:
+        return extract_on_ray(request, self.settings)
+
+
+def ray_runner(executor: Any, num_engines: int | None, address: str | None, verbose: bool) -> RayRunner:
+    """The runner for `extract`'s executor="ray" or a RayExecutor, with num_engines/ray_address/verbose applied."""
+    if isinstance(executor, RayExecutor):
+        changes = {"num_engines": num_engines, "address": address, "verbose": verbose or None}
+        settings = replace(executor, **{name: value for name, value in changes.items() if value is not None})
+    elif executor == "ray":
+        settings = RayExecutor(num_engines=1 if num_engines is None else num_engines, address=address, verbose=verbose)
+    else:
+        raise ValueError(f"executor must be 'local', 'ray', a RayExecutor or an object with run(request), "
+                         f"got {executor!r}")
+    return RayRunner(settings)
+
+
+def extract_on_ray(request: ExtractionRequest, executor: RayExecutor) -> ExtractionSummary:
     """Run the job on `executor.num_engines` engine actors; the folder is what one process would write."""
+    model, tokenizer, llm_kwargs = request.model, request.tokenizer, request.llm_kwargs
+    source, modules, out_dir, options = request.source, request.modules, request.out_dir, request.options
     from nnrun.engine import LLM
 
     if isinstance(model, LLM):

@@ -94,7 +94,7 @@ def _usage_error(message: str) -> int:
 
 
 def _run_job(args: argparse.Namespace) -> int:
-    from nnrun.extract.job import extract
+    from nnrun.extract.executors import extract
 
     llm_kwargs = {"device": args.device, "dtype": args.model_dtype, "load_format": args.load_format}
     if args.batch_tokens is not None:

@@ -22,7 +22,7 @@ from nnrun.extract.folder import open_folder
 from nnrun.extract.hooks import (ActivationCapture, ModuleSpec, StopForward, gather_rows, packed_starts,
                                  resolve_modules)
 from nnrun.extract.identity import config_hash, tokenizer_hash, weights_hash
-from nnrun.extract.inputs import InputError, PromptSource, open_prompts
+from nnrun.extract.inputs import InputError, PromptSource
 from nnrun.extract.manifest import Manifest
 from nnrun.extract.plan import HashedRecords, ShardPlan, forward_batches, plan_shards
 from nnrun.extract.prepare import LengthPolicy, PreparedPrompt, prepare_prompts
@@ -57,42 +57,6 @@ class ExtractionOptions:
             raise ValueError(f"shard_tokens must be positive, got {self.shard_tokens}")
         if self.dtype is not None:
             resolve_dtype(self.dtype, "cpu")  # raises ValueError naming the allowed dtypes
-
-
-def extract(model: Any, prompts: Any, modules: list[str] | str, out_dir: str | Path, *, tokenizer: Any = None,
-            positions: str = "all", dtype: str | torch.dtype | None = None, max_length: int | None = None,
-            truncate: bool = False, on_error: str = "stop", text_field: str = "text", limit: int | None = None,
-            shard_tokens: int = DEFAULT_SHARD_TOKENS, resume: bool = True, progress: bool = True,
-            llm_kwargs: dict[str, Any] | None = None, executor: Any = "local", num_engines: int | None = None,
-            ray_address: str | None = None, verbose: bool = False) -> ExtractionSummary:
-    """Extract `modules`' values for every prompt into shards under `out_dir`; see `load_activations`.
-
-    `model`: an `nnrun.LLM`, or anything `nnrun.LLM` accepts (built with `tokenizer` and
-    `llm_kwargs`, e.g. device, dtype, max_num_batched_tokens, and shut down at the end).
-    `prompts`: an iterable of strings or token id lists, or the path of a .txt / .jsonl /
-    .parquet file or a saved HF dataset folder (`text_field` names the column).
-    `modules`: HF module paths, optionally ending in ".input" or ".output" (the default).
-    `executor="ray"` (or an `nnrun.distributed.RayExecutor` for more options): spread the shards
-    over `num_engines` engine actors on the Ray cluster at `ray_address` (default: the connected
-    one, else $RAY_ADDRESS, else a new local one), `verbose` adds a progress line per engine; the
-    folder is byte-identical to the one a single process writes.
-    """
-    options = ExtractionOptions(positions, dtype, max_length, truncate, on_error, shard_tokens, resume, progress)
-    source = open_prompts(prompts, text_field=text_field, limit=limit)
-    if not (isinstance(executor, str) and executor == "local"):
-        from nnrun.distributed.cluster import as_executor  # Ray itself is imported only once a job runs on it
-        from nnrun.distributed.executor import extract_on_ray
-
-        ray_executor = as_executor(executor, num_engines, ray_address, verbose)
-        return extract_on_ray(model, tokenizer, llm_kwargs, source, modules, Path(out_dir), options, ray_executor)
-    if num_engines is not None or ray_address is not None or verbose:
-        raise ValueError("num_engines, ray_address and verbose apply to executor='ray'")
-    llm, is_owned = as_llm(model, tokenizer, llm_kwargs, progress)
-    try:
-        return ExtractionJob(llm, source, modules, Path(out_dir), options).run()
-    finally:
-        if is_owned:
-            llm.shutdown()
 
 
 def as_llm(model: Any, tokenizer: Any, llm_kwargs: dict[str, Any] | None, progress: bool) -> tuple[Any, bool]:
