@@ -66,16 +66,25 @@ def paged_attention_forward(
     return out.unsqueeze(0), probs
 
 
+_CHUNK_SIZE = "_nnrun_attention_chunk_size"  # a module's chunk, read from its config on its first call
+
+
 def attention_chunk_size(module: torch.nn.Module) -> int | None:
     """The chunk of a chunked-attention layer (Llama 4's `chunked_attention` layers), else None.
 
     HF applies it through the layer's mask, which a packed step does not build; the backend masks it.
+    Read once per module (a config lookup costs more than the rest of this glue).
     """
-    config = module.config
+    cached = module.__dict__.get(_CHUNK_SIZE, _CHUNK_SIZE)
+    if cached is not _CHUNK_SIZE:
+        return cached
+    config = getattr(module, "config", None)  # not every attention module keeps its config
     layer_types = getattr(config, "layer_types", None)
-    if layer_types is None or layer_types[module.layer_idx] != "chunked_attention":
-        return None
-    return config.attention_chunk_size
+    chunk_size = None
+    if layer_types is not None and layer_types[module.layer_idx] == "chunked_attention":
+        chunk_size = config.attention_chunk_size
+    module.__dict__[_CHUNK_SIZE] = chunk_size
+    return chunk_size
 
 
 # Attention inputs that change the scores per query and key, which the packed backends do not apply.
@@ -83,6 +92,8 @@ _UNSUPPORTED_TENSOR_INPUTS = ("position_bias", "sinks")
 
 
 def _refuse_unsupported_inputs(module: torch.nn.Module, kwargs: dict) -> None:
+    if kwargs.get("position_bias") is None and kwargs.get("sinks") is None:
+        return
     given = [name for name in _UNSUPPORTED_TENSOR_INPUTS if kwargs.get(name) is not None]
     if given:
         raise ValueError(
