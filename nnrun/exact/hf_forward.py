@@ -10,8 +10,9 @@ cache runs its whole sequence every step, as HF's own generation does with `use_
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -86,16 +87,22 @@ class HFForward:
             raise RuntimeError(f"request {req.request_id}: no HF cache of its first {start} tokens")
         input_ids = forward_batch.input_ids.to(self.device)[None]  # [1, T]
         logits_indices = forward_batch.logits_indices.to(self.device)  # [R]
-        output = self.call(input_ids, None if cache is None else cache.value, logits_indices)
+        # A request that asked for attention probabilities gets HF's: eager attention returns them.
+        wants_probs = bool(forward_batch.attention_probs_rows)
+        with attention_implementation(self.model, "eager") if wants_probs else nullcontext():
+            output = self.call(input_ids, None if cache is None else cache.value, logits_indices, wants_probs)
         logits = output.logits[0]  # [R, V], or [T, V] from a model that ignores logits_to_keep
         if logits.shape[0] != logits_indices.numel():
             logits = logits[logits_indices]
         self._keep_cache(req, output, start + input_ids.shape[1])
         return logits, type(output)
 
-    def call(self, input_ids: torch.Tensor, cache: Any, logits_indices: torch.Tensor | None = None) -> Any:
+    def call(self, input_ids: torch.Tensor, cache: Any, logits_indices: torch.Tensor | None = None,
+             output_attentions: bool = False) -> Any:
         """One plain HF forward of `[1, T]` ids after `cache` (None: from the start)."""
         kwargs: dict[str, Any] = {"input_ids": input_ids}
+        if output_attentions:
+            kwargs["output_attentions"] = True
         if "use_cache" in self._takes:
             kwargs["use_cache"] = self.keeps_cache
         elif "use_mems" in self._takes:
@@ -133,6 +140,30 @@ class HFForward:
         """Drop finished requests' caches."""
         for request_id in request_ids:
             self.caches.pop(request_id, None)
+
+
+def own_attention(model: torch.nn.Module) -> str:
+    """The attention implementation HF gives this model by default (sdpa where it can, else eager)."""
+    try:
+        return model.get_correct_attn_implementation(None)
+    except (ValueError, ImportError, AttributeError):
+        return "eager"
+
+
+@contextmanager
+def attention_implementation(model: torch.nn.Module, implementation: str) -> Iterator[None]:
+    """Within the block the model attends with this HF implementation; the one it had afterwards."""
+    current = model.config._attn_implementation
+    set_attention(model, implementation)
+    try:
+        yield
+    finally:
+        set_attention(model, current)
+
+
+def set_attention(model: torch.nn.Module, implementation: str) -> None:
+    if model.config._attn_implementation != implementation and type(model)._can_set_attn_implementation():
+        model.set_attn_implementation(implementation)
 
 
 def _field_of(argument: str | None) -> str:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
-from nnrun.exact.hf_forward import HFForward
+from nnrun.exact.hf_forward import HFForward, attention_implementation, own_attention, set_attention
 from nnrun.exact.probe import hf_references, packed_path_difference, probe_lengths, probe_prompts
 from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
 
@@ -47,7 +46,7 @@ def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFF
     max_len = min(runner.max_model_len, runner.req_to_token_pool.max_context_len)
     lengths = probe_lengths(_shortest_window(runner), max_len, runner.max_total_tokens, runner.allocator.page_size)
     prompts = probe_prompts(model.get_input_embeddings().num_embeddings, _special_ids(model), lengths)
-    with hf_attention(model):
+    with attention_implementation(model, own_attention(model)):
         references = hf_references(hf, prompts, family)
     reason = packed_unfit or packed_path_difference(runner, prompts, references)
     if reason is None:
@@ -57,32 +56,8 @@ def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFF
         family, reason)
     hf.caches.clear()
     hf.reason = reason
-    _set_attention(model, own_attention(model))  # from now on the model runs as HF runs it
+    set_attention(model, own_attention(model))  # from now on the model runs as HF runs it
     return hf
-
-
-def own_attention(model: torch.nn.Module) -> str:
-    """The attention implementation HF gives this model by default (sdpa where it can, else eager)."""
-    try:
-        return model.get_correct_attn_implementation(None)
-    except (ValueError, ImportError, AttributeError):
-        return "eager"
-
-
-@contextmanager
-def hf_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Within the block the model attends with its own HF implementation, not the engine's paged one."""
-    current = model.config._attn_implementation
-    _set_attention(model, own_attention(model))
-    try:
-        yield
-    finally:
-        _set_attention(model, current)
-
-
-def _set_attention(model: torch.nn.Module, implementation: str) -> None:
-    if model.config._attn_implementation != implementation and type(model)._can_set_attn_implementation():
-        model.set_attn_implementation(implementation)
 
 
 def _special_ids(model: torch.nn.Module) -> set[int]:

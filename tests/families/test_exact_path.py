@@ -200,3 +200,26 @@ def test_probe_prompts_fit_the_context_and_the_kv_pool():
 def test_a_small_context_and_pool_keep_an_exact_model_on_the_packed_path():
     with nnrun.LLM(tiny_llama(), max_model_len=6, page_size=4, max_total_tokens=8) as llm:
         assert llm.runner.exact_forward is None
+
+
+def test_exact_path_serves_hf_eager_attention_probabilities():
+    from model_zoo import make_model, make_twin
+
+    model = make_model("llama")
+    oracle = make_twin(model)
+    prompt = [3, 5, 7, 9, 11, 13]
+    with torch.no_grad():
+        expected = oracle(torch.tensor([prompt]), output_attentions=True).attentions
+    lm = nnrun.LanguageModel(model, forward_path="exact")
+    try:
+        got = []
+        with lm.trace(prompt, output_attentions=True):
+            for layer in lm.model.layers:
+                got.append(layer.self_attn.output[1].save())
+        with lm.trace(prompt):  # not asked: None, as HF's sdpa gives
+            unasked = lm.model.layers[0].self_attn.output[1].save()
+    finally:
+        lm.shutdown()
+    assert unasked is None
+    for want, have in zip(expected, got):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-6)  # the same eager forward, one prompt alone
