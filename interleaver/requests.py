@@ -30,8 +30,9 @@ from greenlet import error as GreenletError
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from nnsight.intervention.interleaver import EarlyStopException, dangling_unwind
-from nnsight.tracing.tracer import _local, _saves, inc
+from nnsight.tracing.tracer import inc
 
+from interleaver.nnsight_private import saved_value_ids, tracing_thread_state
 from interleaver.batcher import PackedGroup
 from interleaver.generator import NOT_SERVED, serve_generated_ids
 from interleaver.mediator import PackedInterleaver, PackedMediator, as_block_error, original_error
@@ -169,7 +170,7 @@ class NNsightRequestHelper:
     def start(self, invocations: list[Invocation]) -> None:
         """Start invocations scheduled for the first time; shift those that sat steps out."""
         interleaver = self.interleaver
-        if not getattr(_local, "depth", 0):
+        if not getattr(tracing_thread_state, "depth", 0):
             inc()  # `.save()` inside a worker needs an open trace depth on this (the engine) thread
         if len(invocations) < len(self.live):  # some sit this step out
             running = set(map(id, invocations))
@@ -263,7 +264,7 @@ class NNsightRequestHelper:
                 job.results.clear()  # the step's logits, kept only to serve `tracer.result`
                 job.done.set()
         if not self.request_to_invocations and not self.live:
-            _saves().clear()  # nothing in flight: no saved id can still matter
+            saved_value_ids().clear()  # nothing in flight: no saved id can still matter
             self.interleaver.sourced.clear()  # nor a callable some block drilled into (`op.source`)
 
     def _finish_one(self, invocation: Invocation, memo: dict[int, Any], padded_ids: dict[int, torch.Tensor]) -> None:
@@ -287,7 +288,7 @@ class NNsightRequestHelper:
         error = mediator.exception
         if error is not None and not isinstance(error, EarlyStopException) and invocation.error is None:
             invocation.error = error
-        saved = _saves()  # only names the block bound: its scope also holds the caller's snapshot
+        saved = saved_value_ids()  # only names the block bound: its scope also holds the caller's snapshot
         invocation.saves = {name: value for name, value in mediator.lcls.writes().items() if id(value) in saved}
         for value in invocation.saves.values():
             saved.discard(id(value))

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nnsight.tracing.tracer import _saves
 
+from interleaver.nnsight_private import saved_value_ids
 from interleaver.grads import carry_grad
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ def unpin_saves(invocations: list[Invocation]) -> None:
 
 def unpin_block_saves(invocations: list[Invocation], memo: dict[int, Any]) -> None:
     """Replace the saved views the blocks bound to names by copies (the copies are the saved values now)."""
-    saved = _saves()
+    saved = saved_value_ids()
     replaced: dict[int, Any] = {}  # id of a saved view -> the copy saved in its place
     for invocation in invocations:
         scope = invocation.mediator.lcls

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 from nnsight.intervention.interleaver import Mediator
 from nnsight.intervention.tracer import InterleavingTracer, Invoker
 from nnsight.intervention.util import clear_shared_locals, shared_locals
-from nnsight.tracing.tracer import _saves, mark, push_result
+from nnsight.tracing.tracer import mark, push_result
 from nnsight.tracing.util import Scope, filter_traceback
 
+from interleaver.nnsight_private import saved_value_ids
 from interleaver.layouts import SAMPLES_LOCATION
 from interleaver.mediator import PackedMediator
 
@@ -100,7 +101,7 @@ class NNrunTracer(InterleavingTracer):
                 push_result(frame, body.writes())
                 if not self.pending_invokes:
                     raise ValueError("trace() needs an input, or at least one `with tracer.invoke(...)` block")
-                client_saves = [value for value in body.writes().values() if id(value) in _saves()]
+                client_saves = [value for value in body.writes().values() if id(value) in saved_value_ids()]
             job = self.envoy._build_job(self.fn, self.pending_invokes, self.kwargs, _asks_for_grad(self.node))
             job.client_saves = client_saves
             self.envoy._run_job(job)
