@@ -83,6 +83,16 @@ def test_a_looping_edit_on_completions_is_ended_reported_and_the_engine_serves_a
         assert "registered edit 'spin-again'" in events[-2] and events[-1] == "data: [DONE]"
         wait_idle(server)
         assert complete(server.url).json()["choices"][0]["text"] == expected.outputs[0].text
+
+        # Met by a trace, the same edit fails that trace and is taken off the same way.
+        edit = register_loop(model, "spin-in-a-trace")
+        with pytest.raises(TimeoutError, match="registered edit 'spin-in-a-trace'"):
+            with model.trace(PROMPT):
+                model.lm_head.output.save()
+        assert edit.status()["status"] == "failed"
+        with model.trace(PROMPT):
+            again = model.lm_head.output.save()
+        torch.testing.assert_close(again, local, atol=1e-5, rtol=1e-5)
     finally:
         model.shutdown()
         server.kill()
