@@ -21,11 +21,11 @@ import torch
 from nnsight.intervention.interleaver import Mediator
 
 from interleaver.mediator import PackedMediator
-from interleaver.requests import Invocation, pad_sequences
+from interleaver.jobs import Invocation, pad_sequences
 from interleaver.tracer import PendingInvoke, _asks_for_grad
 
 if TYPE_CHECKING:
-    from interleaver.requests import TraceJob
+    from interleaver.jobs import TraceJob
 
 # The body of a plain `generate(...)` call: it only carries the prompts, the edits do the work.
 _EMPTY_BLOCK = compile("pass", "<nnrun: generate without a block>", "exec")

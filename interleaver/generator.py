@@ -33,7 +33,7 @@ from nnrun.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
     from interleaver.mediator import PackedMediator
-    from interleaver.requests import Invocation, TraceJob
+    from interleaver.jobs import Invocation, TraceJob
 
 GENERATOR_OUTPUT = "model.generator.output"
 NOT_SERVED = object()  # `serve_generated_ids` for a block that was not waiting for the ids

@@ -28,7 +28,7 @@ from interleaver.generator import add_generator, user_streamer
 from interleaver.keywords import (GENERATE_KWARGS, INVOKE_KWARGS, STREAMER_KWARGS, TRACE_KWARGS, _check_kwargs,
                                   apply_tokenizer_settings, engine_kwargs, refuse_backends)
 from interleaver.mediator import PackedInterleaver, ServedValues
-from interleaver.requests import Invocation, TraceJob, pad_sequences
+from interleaver.jobs import Invocation, TraceJob, pad_sequences
 from interleaver.runner import NNsightGPUModelRunner
 from interleaver.scan import ScanTracer
 from interleaver.sources import client_source

@@ -1,9 +1,8 @@
 """NNsightRequestHelper: the runner's book of which mediator serves which engine requests.
 
-A trace becomes a `TraceJob`. Each invoke of it is an `Invocation`: one mediator (the invoke's
-body) over the engine requests of its prompts, in invoke order; an empty invoke spans every
-request of the trace. The client builds the job, submits one engine request per prompt with the
-job in `extra_args["nnsight"]`, and waits on `job.done`. On the engine thread the helper:
+A trace is a `TraceJob` of `Invocation`s (interleaver/jobs.py). The client submits one engine
+request per prompt with the job in `extra_args["nnsight"]`, and waits on `job.done`. On the engine
+thread the helper:
 
 1. `process_new_reqs`: learns a request's job the first time a step carries it;
 2. `process_batch_groups`: every step, gives each invocation with a request in the step a
@@ -21,13 +20,10 @@ Mediators are greenlets: everything here runs on the engine thread.
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from greenlet import error as GreenletError
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from nnsight.intervention.interleaver import EarlyStopException, dangling_unwind
 from nnsight.tracing.tracer import inc
@@ -35,81 +31,13 @@ from nnsight.tracing.tracer import inc
 from interleaver.nnsight_private import saved_value_ids, tracing_thread_state
 from interleaver.batcher import PackedGroup
 from interleaver.generator import NOT_SERVED, serve_generated_ids
-from interleaver.mediator import PackedInterleaver, PackedMediator, as_block_error, original_error
+from interleaver.jobs import Invocation, TraceJob, pad_sequences
+from interleaver.mediator import PackedInterleaver, PackedMediator, as_block_error
 from interleaver.saved_copies import unpin_block_saves, unpin_client_saves, unpin_saves
 from nnrun.forward_batch import ForwardBatch
 from nnrun.request import Request
 
 RESULT_LOCATION = "result"
-
-
-@dataclass(eq=False)
-class Invocation:
-    """One invoke: its mediator and the engine requests it spans, in invoke order."""
-
-    mediator: PackedMediator
-    request_ids: list[str]
-    index: int  # invoke order within the trace (stored edits, served first, are negative)
-    is_edit: bool = False  # a stored `model.edit()` replayed on this trace: its names are not pushed
-    job: "TraceJob" = None
-    saves: dict[str, Any] = field(default_factory=dict)
-    error: BaseException | None = None
-    warning: str | None = None
-    is_started: bool = False
-    is_finished: bool = False
-    has_streamed_prompt: bool = False  # `model.generator.streamer` has had its first visit (the prompt ids)
-    counts_when_out: dict[str, int] | None = None  # interleaver counts when it last sat a step out
-
-
-@dataclass(eq=False)
-class TraceJob:
-    """Everything one trace hands the engine, and everything the client waits for."""
-
-    kind: str  # "trace" (one forward) or "generate"
-    invocations: list[Invocation]
-    needs_grad: bool = False
-    pad_token_id: int = 0
-    ids_device: torch.device = torch.device("cpu")  # the model's device, where HF's generate puts ids
-    seq: int = 0  # submission order across traces
-    requests: dict[str, Request] = field(default_factory=dict)  # filled by the client at submit
-    client_saves: list[Any] = field(default_factory=list)  # values the trace body saved (its invokes fill them)
-    done: threading.Event = field(default_factory=threading.Event)
-    results: dict[str, torch.Tensor] = field(default_factory=dict)  # request id -> its trace's logits [1, T, V]
-    output_type: type = CausalLMOutputWithPast  # the model's own output class, which `tracer.result` is
-    # How `tracer.result` is built from an invocation's finished requests; None: HF's forms (`_result_of`).
-    make_result: Callable[[list[Request]], Any] | None = None
-    streamer: Any = None  # a generation's own HF streamer: the client's thread feeds it (engine never calls it)
-
-    def __post_init__(self) -> None:
-        for invocation in self.invocations:
-            invocation.job = self
-        self._index: tuple[list[Invocation], dict[str, list[Invocation]]] | None = None
-
-    def invocations_of(self, request_id: str) -> list[Invocation]:
-        """The invocations spanning one of this job's requests, in invoke order.
-
-        Indexed once per job (on its first request the engine sees) rather than searched per
-        request; rebuilt if `invocations` was replaced since (the serve layer attaches its
-        registered edits that way before submitting).
-        """
-        if self._index is None or self._index[0] is not self.invocations:
-            by_request: dict[str, list[Invocation]] = {}
-            for invocation in self.invocations:
-                for rid in dict.fromkeys(invocation.request_ids):  # an invocation once per request
-                    by_request.setdefault(rid, []).append(invocation)
-            self._index = (self.invocations, by_request)
-        return list(self._index[1].get(request_id, ()))
-
-    @property
-    def error(self) -> BaseException | None:
-        """The first real error of the trace's blocks or requests (a `stop()` is not one)."""
-        for invocation in self.invocations:
-            if invocation.error is not None:
-                return original_error(invocation.error)
-        for request in self.requests.values():
-            if request.error is not None and not isinstance(request.error, EarlyStopException):
-                return original_error(request.error)
-        return None
 
 
 class NNsightRequestHelper:
@@ -365,16 +293,3 @@ def _generated_rows(invocation: Invocation, padded_ids: dict[int, torch.Tensor])
         padded_ids[id(job)] = padded_generated_ids(job)
     row_of = {request_id: row for row, request_id in enumerate(job.requests)}
     return padded_ids[id(job)][[row_of[request_id] for request_id in invocation.request_ids]]  # [k, T_max + new_max]
-
-
-def pad_sequences(sequences: list[list[int]], prompt_lens: list[int], pad_token_id: int,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
-    """Token ids as HF's `generate` returns them: prompts left-padded, completions right-padded, on
-    the model's device (HF's are on its input ids' device)."""
-    max_prompt = max(prompt_lens)
-    max_new = max(len(seq) - n for seq, n in zip(sequences, prompt_lens))
-    rows = []
-    for seq, n in zip(sequences, prompt_lens):
-        new = seq[n:]
-        rows.append([pad_token_id] * (max_prompt - n) + seq[:n] + new + [pad_token_id] * (max_new - len(new)))
-    return torch.tensor(rows, dtype=torch.int64, device=device)  # [k, T_max + new_max]

@@ -19,7 +19,7 @@ from interleaver.nnsight_private import saved_value_ids
 from interleaver.grads import carry_grad
 
 if TYPE_CHECKING:
-    from interleaver.requests import Invocation, TraceJob
+    from interleaver.jobs import Invocation, TraceJob
 
 
 def unpin_saves(invocations: list[Invocation]) -> None:

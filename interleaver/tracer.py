@@ -28,7 +28,7 @@ from interleaver.layouts import SAMPLES_LOCATION
 from interleaver.mediator import PackedMediator
 
 if TYPE_CHECKING:
-    from interleaver.requests import TraceJob
+    from interleaver.jobs import TraceJob
 
 _PACKAGE_DIR = os.path.dirname(__file__)
 

@@ -23,7 +23,7 @@ from nnsight.tracing.tracer import WithBlockNotFoundError
 from interleaver.attentions import ATTENTION_KWARGS
 from interleaver.mediator import PackedMediator
 from interleaver.model import LanguageModel
-from interleaver.requests import TraceJob
+from interleaver.jobs import TraceJob
 from interleaver.tracer import NNrunTracer, PendingInvoke
 from interleaver.vllm_params import check_sampling_kwargs, vllm_engine_kwargs, vllm_sampling_kwargs, \
     vllm_sampling_params

@@ -8,7 +8,8 @@ import torch
 
 from interleaver.batcher import PackedBatcher
 from interleaver.mediator import PackedInterleaver, PackedMediator
-from interleaver.requests import Invocation, NNsightRequestHelper, TraceJob
+from interleaver.jobs import Invocation, TraceJob
+from interleaver.requests import NNsightRequestHelper
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.request import Request, RequestStatus
 from nnrun.sampling_params import SamplingParams

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 from interleaver.keywords import _check_kwargs
 from interleaver.model import LanguageModel
-from interleaver.requests import TraceJob
+from interleaver.jobs import TraceJob
 from interleaver.tracer import NNrunTracer, PendingInvoke
 from nnrun.engine import RequestHandle
 from nnrun.sampling_params import SamplingParams

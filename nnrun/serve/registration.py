@@ -20,7 +20,7 @@ from typing import Any
 from nnsight.intervention.interleaver import Mediator
 
 from interleaver.mediator import PackedMediator
-from interleaver.requests import Invocation, TraceJob
+from interleaver.jobs import Invocation, TraceJob
 from nnrun.serve.payload import PayloadError, ServerObjects, load_block
 
 MAX_KEPT_FAILURES = 64  # failed edits remembered for /health and their registrants
