@@ -99,26 +99,41 @@ def probe_prompts(vocab_size: int, special_ids: set[int], lengths: list[int]) ->
 def hf_references(hf: HFForward, prompts: list[ProbePrompt], family: str) -> list[Reference]:
     """Each prompt alone through HF's own forward: its prefill, then one decode step on HF's cache.
 
-    A model whose own forward fails here cannot run on nnrun at all: refused, naming the family.
+    If HF's cache fails, HF's `use_cache=False` way (the whole sequence every step) is tried; a
+    model whose own forward fails both ways cannot run on nnrun at all: refused, naming the family.
     """
-    references = []
     try:
-        with torch.no_grad():
-            for prompt in prompts:
-                ids = torch.tensor([prompt.token_ids], device=hf.device)  # [1, T]
-                prefill = hf.call(ids, None)
-                cache = hf.cache_in(prefill)
-                next_ids = torch.tensor([[prompt.next_token_id]], device=hf.device)  # [1, 1]
-                if cache is None:  # no cache: HF runs the whole sequence again
-                    decode = hf.call(torch.cat([ids, next_ids], dim=1), None)
-                else:
-                    decode = hf.call(next_ids, cache)
-                references.append(Reference(prefill.logits[0], decode.logits[0, -1]))
+        return _references(hf, prompts)
     except Exception as error:
-        raise ModelRefusedError(
-            f"{family}: the model's own HF forward fails on a plain {len(prompts[0].token_ids)}-token prompt, so "
-            f"nnrun cannot run it ({type(error).__name__}: {error})") from error
+        if not hf.keeps_cache:
+            raise _refusal(family, prompts, error) from error
+        hf.keeps_cache, hf.cache_argument = False, None
+        try:
+            return _references(hf, prompts)
+        except Exception:
+            raise _refusal(family, prompts, error) from error
+
+
+def _references(hf: HFForward, prompts: list[ProbePrompt]) -> list[Reference]:
+    references = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt.token_ids], device=hf.device)  # [1, T]
+            prefill = hf.call(ids, None)
+            cache = hf.cache_in(prefill)
+            next_ids = torch.tensor([[prompt.next_token_id]], device=hf.device)  # [1, 1]
+            if cache is None:  # no cache: HF runs the whole sequence again
+                decode = hf.call(torch.cat([ids, next_ids], dim=1), None)
+            else:
+                decode = hf.call(next_ids, cache)
+            references.append(Reference(prefill.logits[0], decode.logits[0, -1]))
     return references
+
+
+def _refusal(family: str, prompts: list[ProbePrompt], error: BaseException) -> ModelRefusedError:
+    return ModelRefusedError(
+        f"{family}: the model's own HF forward fails on a plain {len(prompts[0].token_ids)}-token prompt, so "
+        f"nnrun cannot run it ({type(error).__name__}: {error})")
 
 
 def packed_path_difference(runner: "ModelRunner", prompts: list[ProbePrompt],
