@@ -107,7 +107,7 @@ def test_exact_path_preempts_and_resumes_requests_with_their_own_cache():
     model = tiny_model("gptj")
     expected = [hf_greedy(model, prompt, 12) for prompt in PROMPTS]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    with nnrun.LLM(model, page_size=4, max_total_tokens=40) as llm:  # too few pages for all three at once
+    with nnrun.LLM(model, page_size=4, max_total_tokens=40, forward_path="exact") as llm:  # pages for two at once
         assert llm.runner.exact_forward is not None
         assert tokens_of(llm.generate(PROMPTS, params)) == expected
         assert llm.core.scheduler.num_preemptions > 0
@@ -117,7 +117,7 @@ def test_exact_path_preempts_and_resumes_requests_with_their_own_cache():
 def test_exact_path_streams_and_isolates_concurrent_requests():
     model = tiny_model("mamba")
     expected = [hf_greedy(model, prompt) for prompt in PROMPTS]
-    with nnrun.LLM(model) as llm:
+    with nnrun.LLM(model, forward_path="exact") as llm:
         assert llm.runner.exact_forward is not None
         with llm.paused():  # all three in the same steps
             handles = [llm.submit(prompt, GREEDY, stream=True) for prompt in PROMPTS]
@@ -129,7 +129,7 @@ def test_exact_path_streams_and_isolates_concurrent_requests():
 def test_exact_path_extracts_each_prompts_own_values(tmp_path):
     model = tiny_model("gpt_neo")
     modules = ["transformer.h.0", "transformer.h.1.mlp", "transformer.ln_f"]
-    with nnrun.LLM(model) as llm:
+    with nnrun.LLM(model, forward_path="exact") as llm:
         assert llm.runner.exact_forward is not None
         extract(llm, PROMPTS, modules, tmp_path, progress=False)
     store = load_activations(tmp_path)
