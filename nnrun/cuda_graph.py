@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import bisect
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
 from nnrun.attention import AttentionBackend, forward_context, hf_masks_skipped
 from nnrun.forward_batch import ForwardBatch
-
-if TYPE_CHECKING:
-    from nnrun.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +64,16 @@ class CudaGraphCapturer:
 class DecodeGraphRunner:
     """Captured decode forwards for `batch_sizes`, and their replay on a real decode step."""
 
-    def __init__(self, runner: ModelRunner, backend: AttentionBackend, batch_sizes: Sequence[int],
-                 capturer: GraphCapturer) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device, trash_slot: int, backend: AttentionBackend,
+                 batch_sizes: Sequence[int], capturer: GraphCapturer) -> None:
+        """`trash_slot`: the KV slot padding rows write to (the pool's reserved slot nothing reads)."""
         if not batch_sizes or min(batch_sizes) <= 0:
             raise ValueError(f"CUDA graph batch sizes must be positive, got {list(batch_sizes)}")
-        self.runner = runner
+        self.model = model
         self.backend = backend
         self.batch_sizes = sorted(set(batch_sizes))
-        self.trash_slot = runner.kv_pool.trash_slot
+        self.trash_slot = trash_slot
         max_batch_size = self.batch_sizes[-1]
-        device = runner.device
         self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)  # [max_bs]
         self.positions = torch.zeros(max_batch_size, dtype=torch.int64, device=device)  # [max_bs]
         self.out_cache_loc = torch.full((max_batch_size,), self.trash_slot, dtype=torch.int64, device=device)
@@ -99,7 +96,7 @@ class DecodeGraphRunner:
         def forward() -> torch.Tensor:
             position_ids = self.positions[:batch_size][None]  # [1, bs]
             with forward_context(self.backend, position_ids=position_ids), hf_masks_skipped(), torch.no_grad():
-                output = self.runner.model(
+                output = self.model(
                     input_ids=self.input_ids[:batch_size][None],
                     position_ids=position_ids,
                     use_cache=False,

@@ -173,6 +173,16 @@ class LLM:
         with self._wakeup:
             return len(self._handles)
 
+    def request_ids_in_flight(self) -> list[str]:
+        """The ids of the requests submitted and not yet finished (thread-safe; a snapshot)."""
+        with self._wakeup:
+            return list(self._handles)
+
+    @property
+    def engine_thread(self) -> threading.Thread | None:
+        """The thread that runs the engine's steps (None until the first request starts it)."""
+        return self._thread
+
     def step_counters(self) -> dict[str, int]:
         """Running totals of the engine's forwards (`StepCounters`): a snapshot, read without stopping it."""
         return self.core.counters.snapshot()

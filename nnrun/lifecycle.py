@@ -117,15 +117,14 @@ def _stop_all() -> None:
 def _stop(engine: LLM) -> int:
     """Abort what is in flight, stop the engine, escalate if its thread does not end; the number aborted."""
     deadline = time.monotonic() + STEP_WAIT_S
-    with engine._wakeup:
-        request_ids = list(engine._handles)
+    request_ids = engine.request_ids_in_flight()
     if request_ids:  # aborted first, so that their callers learn why
         engine.abort(request_ids, InterpreterExiting())
         while engine.num_requests_in_flight and _is_running(engine) and time.monotonic() < deadline:
             time.sleep(POLL_S)
     if engine.shutdown(timeout=max(10 * POLL_S, deadline - time.monotonic())):
         return len(request_ids)
-    thread = engine._thread
+    thread = engine.engine_thread
     for exception_type, wait_s in ((InterpreterExiting, INTERRUPT_WAIT_S), (_ParkedAtExit, PARK_WAIT_S)):
         _raise_in(thread, exception_type)
         deadline = time.monotonic() + wait_s
@@ -141,7 +140,7 @@ def _stop(engine: LLM) -> int:
 
 
 def _is_running(engine: LLM) -> bool:
-    thread = engine._thread
+    thread = engine.engine_thread
     return thread is not None and thread.is_alive()
 
 
@@ -154,7 +153,8 @@ def _threads_in_engine_calls(engines: list[LLM]) -> list[threading.Thread]:
     files = [__file__] + [getattr(sys.modules.get(type(engine.runner).__module__), "__file__", None)
                           for engine in engines]
     roots = tuple({os.path.join(os.path.dirname(file), "") for file in files if file})
-    skip = {threading.get_ident()} | {engine._thread.ident for engine in engines if engine._thread is not None}
+    skip = {threading.get_ident()} | {engine.engine_thread.ident for engine in engines
+                                       if engine.engine_thread is not None}
     threads = {thread.ident: thread for thread in threading.enumerate()}
     callers = []
     for ident, frame in sys._current_frames().items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from nnrun.loader import load_model, max_context_len
 from nnrun.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator, hold_kv, release_kv
 from nnrun.model_probe import AttentionLayerInfo
 from nnrun.output_layout import returns_every_position
-from nnrun.position_adapters import adapt_positions
+from nnrun.position_adapters import adapt_positions, max_positions
 from nnrun.request import Request
 from nnrun.sampler import Sampler, SamplerOutput, SamplingRow
 from nnrun.sampling_params import SamplingParams
@@ -76,7 +77,7 @@ class ModelRunner:
         # Decided once: a model that ignores logits_to_keep (Whisper's decoder) has its rows taken by the runner.
         self.returns_every_position = bool(self.layers) and returns_every_position(self.model, self.device)
         self._modules = list(self.model.modules())  # checked for hooks before each graph replay
-        model_len = max_context_len(self.model.config)
+        model_len = min(max_context_len(self.model.config), max_positions(self.model) or sys.maxsize)
         self.max_model_len = min(self.config.model.max_model_len or model_len, model_len)
 
     def init_memory_pool(self) -> None:
@@ -203,7 +204,8 @@ class ModelRunner:
             return
         sizes = self.config.device.cuda_graph_batch_sizes or default_batch_sizes(self.config.scheduler.max_num_seqs)
         with self.step_lock:
-            self.graph_runner = DecodeGraphRunner(self, self.attn_backend, sizes, capturer)
+            self.graph_runner = DecodeGraphRunner(self.model, self.device, self.kv_pool.trash_slot, self.attn_backend,
+                                                  sizes, capturer)
 
     def can_use_cuda_graph(self, forward_batch: ForwardBatch) -> bool:
         """Whether this step may replay a captured graph: a decode step nothing watches.
