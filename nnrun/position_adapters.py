@@ -41,18 +41,28 @@ class PositionAdapter:
 
     name: str
     to_module_positions: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
+    num_positions: Callable[[torch.nn.Module], int]  # how many 0-based positions the module can embed
 
 
 def _decoder_positions(module: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
     return position_ids[0]  # [N]: these modules add their own offset and a batch dim to given ids
 
 
+def _decoder_num_positions(module: torch.nn.Module) -> int:
+    return module.num_embeddings - getattr(module, "offset", 0)  # bart-style tables hold 2 extra rows
+
+
 def _padding_offset_positions(module: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
     return position_ids + (module.padding_idx + 1)  # [1, N], numbered from padding_idx + 1 as HF does
 
 
-DECODER_POSITIONS = PositionAdapter("decoder positions", _decoder_positions)
-PADDING_OFFSET_POSITIONS = PositionAdapter("positions from padding_idx + 1", _padding_offset_positions)
+def _padding_offset_num_positions(module: torch.nn.Module) -> int:
+    return module.position_embeddings.num_embeddings - (module.padding_idx + 1)
+
+
+DECODER_POSITIONS = PositionAdapter("decoder positions", _decoder_positions, _decoder_num_positions)
+PADDING_OFFSET_POSITIONS = PositionAdapter("positions from padding_idx + 1", _padding_offset_positions,
+                                           _padding_offset_num_positions)
 
 
 def adapter_for(module: torch.nn.Module) -> PositionAdapter | None:
@@ -82,6 +92,13 @@ def adapt_positions(model: torch.nn.Module) -> list[str]:
             _install(module, adapter)
         adapted.append(path)
     return adapted
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The longest sequence the adapted modules can number (a roberta table of 514 rows holds 512), or None."""
+    limits = [adapter.num_positions(module) for module in model.modules()
+              if (adapter := getattr(module, _ADAPTED, None)) is not None]
+    return min(limits, default=None)
 
 
 def _install(module: torch.nn.Module, adapter: PositionAdapter) -> None:

@@ -298,6 +298,24 @@ def test_adapted_positions_survive_decode_cuda_graphs(monkeypatch, model_type):
             assert token == row.argmax().item(), f"{model_type}: replayed decode step {step}"
             assert_close_to(torch.tensor(output.outputs[0].logprobs[step][token]), row[token], model_type)
 
+def test_context_ends_where_the_position_table_ends():
+    """A table of 256 positions numbered from padding_idx + 1 = 2 holds 254 tokens; whisper's decoder its own 64."""
+    model = tiny_model("roberta", is_decoder=True, **_SMALL_SPECIAL_IDS)
+    oracle = hf_twin(model)
+    longest = prompts_of((253,))[0]  # with its one new token, the table's last row
+    with nnrun.LLM(model, page_size=4) as llm:
+        assert llm.runner.max_model_len == 254
+        output = llm.generate([longest], nnrun.SamplingParams(max_tokens=1, temperature=0, logprobs=0))[0]
+        with pytest.raises(ValueError, match="254 tokens, but the context holds 254"):
+            llm.generate([longest + [5]], nnrun.SamplingParams(max_tokens=1))
+    expected = torch.log_softmax(hf_logits(oracle, longest)[-1], dim=-1)
+    token = output.outputs[0].token_ids[0]
+    assert token == expected.argmax().item()
+    assert_close_to(torch.tensor(output.outputs[0].logprobs[0][token]), expected[token], "roberta at its last position")
+    whisper = tiny_model("whisper", **_ENCODER_DECODER, **_SMALL_SPECIAL_IDS, max_target_positions=64)
+    with nnrun.LLM(whisper, page_size=4) as llm:  # the decoder's table binds, not the config's 256 positions
+        assert llm.runner.max_model_len == 64
+
 # ---- logits rows --------------------------------------------------------------------------------
 
 def test_whisper_decoder_ignoring_logits_to_keep_samples_from_the_right_rows():
