@@ -204,7 +204,8 @@ class ModelRunner:
             return
         sizes = self.config.device.cuda_graph_batch_sizes or default_batch_sizes(self.config.scheduler.max_num_seqs)
         with self.step_lock:
-            self.graph_runner = DecodeGraphRunner(self, self.attn_backend, sizes, capturer)
+            self.graph_runner = DecodeGraphRunner(self.model, self.device, self.kv_pool.trash_slot, self.attn_backend,
+                                                  sizes, capturer)
 
     def can_use_cuda_graph(self, forward_batch: ForwardBatch) -> bool:
         """Whether this step may replay a captured graph: a decode step nothing watches.
