@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nnrun.exact.hf_forward import HFForward, attention_implementation, own_attention, set_attention
-from nnrun.exact.probe import hf_references, packed_path_difference, probe_lengths, probe_prompts
+from nnrun.exact.probe import ModelRefusedError, hf_references, packed_path_difference, probe_lengths, probe_prompts
 from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
 
 if TYPE_CHECKING:
@@ -42,6 +42,10 @@ def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFF
     """
     model = runner.model
     family = family_of(model)
+    if not getattr(model, "can_generate", lambda: True)():
+        raise ModelRefusedError(
+            f"{family}: {type(model).__name__} cannot generate text (HF's can_generate() is False: an encoder-only "
+            "or other non-causal head); nnrun runs causal language models (AutoModelForCausalLM's classes)")
     hf = HFForward(model, runner.device)
     max_len = min(runner.max_model_len, runner.req_to_token_pool.max_context_len)
     lengths = probe_lengths(_shortest_window(runner), max_len, runner.max_total_tokens, runner.allocator.page_size)

@@ -243,3 +243,14 @@ def test_exact_path_serves_hf_eager_attention_probabilities():
     assert unasked is None
     for want, have in zip(expected, got):
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-6)  # the same eager forward, one prompt alone
+
+
+def test_an_encoder_only_head_is_refused_naming_family_and_reason():
+    from transformers import BertConfig, BertForMaskedLM
+
+    from nnrun.exact import ModelRefusedError
+
+    config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128)
+    with pytest.raises(ModelRefusedError, match=r"bert: BertForMaskedLM cannot generate text .*encoder-only"):
+        nnrun.LLM(BertForMaskedLM(config).eval())
