@@ -149,8 +149,10 @@ class ServedLanguageModel(LanguageModel):
             job.requests[req.request_id] = req
             attach_registered(job, registrations)
             req.extra_args["nnsight"] = job
+        handle = self.engine.submit_requests([req], stream=True)[0]
+        if registrations:  # watched from now: until it finishes, the watchdog forgets it at its next look
             self.edit_watchdog.watch(req, [invocation.mediator for invocation in job.invocations])
-        return self.engine.submit_requests([req], stream=True)[0]
+        return handle
 
     def abort_completion(self, request_id: str) -> None:
         """End a completion early; a registered edit running on it is interrupted (it would hold the engine)."""

@@ -28,10 +28,10 @@ OPEN_PATHS = ("/health",)
 
 
 class Guard:
-    """ASGI middleware: the key check and the in-flight cap, around every route but `/health`.
+    """ASGI middleware around every route but `/health`: the key, then the body (size, time), then the in-flight cap.
 
     Plain ASGI rather than a route dependency, so a streamed answer (SSE) counts as in flight
-    until its last byte is sent.
+    until its last byte is sent. The app gets the body already read (`_replay`).
     """
 
     def __init__(self, app: ASGIApp, api_key: str | None, max_in_flight: int, max_body_bytes: int,

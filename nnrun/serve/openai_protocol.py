@@ -25,7 +25,7 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False  # a last chunk with the usage and no choices
 
 
-class _Sampling(BaseModel):
+class SamplingFields(BaseModel):
     """The fields both routes share."""
 
     model_config = ConfigDict(extra="forbid")
@@ -73,7 +73,7 @@ class _Sampling(BaseModel):
                 raise _refused(name, value, "not served by this server")
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     prompt: StrictStr | Annotated[list[StrictInt], Field(min_length=1)]
     max_tokens: PositiveTokens | None = None  # OpenAI's default: 16
     echo: StrictBool = False
@@ -108,7 +108,7 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatRequest(_Sampling):
+class ChatRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: PositiveTokens | None = None
     max_completion_tokens: PositiveTokens | None = None

@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from nnrun.outputs import RequestOutput
 from nnrun.sampling_params import SamplingParams
 from nnrun.serve.app import DISCONNECT_POLL_S
-from nnrun.serve.openai_protocol import ChatRequest, CompletionRequest, _Sampling
+from nnrun.serve.openai_protocol import ChatRequest, CompletionRequest, SamplingFields
 
 router = APIRouter()
 
@@ -49,7 +49,7 @@ async def chat_completions(body: ChatRequest, request: Request) -> Any:
     return await _complete(request, body, prompt, max_tokens, chat=True)
 
 
-async def _complete(request: Request, body: _Sampling, prompt: Any, max_tokens: int, chat: bool) -> Any:
+async def _complete(request: Request, body: SamplingFields, prompt: Any, max_tokens: int, chat: bool) -> Any:
     state = request.app.state.serve
     model = state.ready_model()
     if body.model not in (state.config.served_model_name, state.config.model):
@@ -121,12 +121,11 @@ async def _outputs(state: Any, handle: Any, deadline: float, request: Request | 
 
 
 def _request_error(state: Any, handle: Any, error: BaseException) -> HTTPException:
-    """What a failed completion answers: why the server ended its edit, or the edit's own error."""
+    """What a failed completion answers: why the server ended its edit, or the request's own error (an edit's)."""
     why = state.model.edit_watchdog.failure(handle.request_id)
     if why is not None:
         return HTTPException(status_code=500, detail=why)
-    return HTTPException(status_code=500, detail=f"a registered edit failed on this request: "
-                                                f"{type(error).__name__}: {error}")
+    return HTTPException(status_code=500, detail=f"the request failed: {type(error).__name__}: {error}")
 
 
 async def _stream(state: Any, handle: Any, meta: dict, chat: bool, deadline: float,
