@@ -41,14 +41,16 @@ class PositionAdapter:
 
     name: str
     to_module_positions: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
-    num_positions: Callable[[torch.nn.Module], int]  # how many 0-based positions the module can embed
+    num_positions: Callable[[torch.nn.Module], int | None]  # how many positions it embeds; None: no fixed table
 
 
 def _decoder_positions(module: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
     return position_ids[0]  # [N]: these modules add their own offset and a batch dim to given ids
 
 
-def _decoder_num_positions(module: torch.nn.Module) -> int:
+def _decoder_num_positions(module: torch.nn.Module) -> int | None:
+    if not isinstance(module, torch.nn.Embedding):  # a sinusoidal table grown on demand (XGLM's)
+        return None
     return module.num_embeddings - getattr(module, "offset", 0)  # bart-style tables hold 2 extra rows
 
 
@@ -98,7 +100,7 @@ def max_positions(model: torch.nn.Module) -> int | None:
     """The longest sequence the adapted modules can number (a roberta table of 514 rows holds 512), or None."""
     limits = [adapter.num_positions(module) for module in model.modules()
               if (adapter := getattr(module, _ADAPTED, None)) is not None]
-    return min(limits, default=None)
+    return min((limit for limit in limits if limit is not None), default=None)
 
 
 def _install(module: torch.nn.Module, adapter: PositionAdapter) -> None:

@@ -27,6 +27,7 @@ from nnrun.attention.flashinfer_plan import plan_paged_kv
 from nnrun.forward_batch import OUTPUT_ATTENTIONS_ARG
 from nnrun.memory import LayerKVShape
 from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
+from nnrun.position_adapters import adapt_positions, max_positions
 
 VOCAB = 128
 PROMPT_LENGTHS = (5, 11, 3)
@@ -315,6 +316,17 @@ def test_context_ends_where_the_position_table_ends():
     whisper = tiny_model("whisper", **_ENCODER_DECODER, **_SMALL_SPECIAL_IDS, max_target_positions=64)
     with nnrun.LLM(whisper, page_size=4) as llm:  # the decoder's table binds, not the config's 256 positions
         assert llm.runner.max_model_len == 64
+
+
+def test_position_tables_grown_on_demand_set_no_limit():
+    """XGLM's sinusoidal table grows with the positions asked for: adapted, it bounds nothing (and loads)."""
+    from families.tiny import tiny_model as sweep_tiny_model
+
+    model = sweep_tiny_model("xglm")
+    assert adapt_positions(model) == ["model.embed_positions"]
+    assert max_positions(model) is None
+    with nnrun.LLM(model, page_size=4) as llm:
+        assert llm.runner.max_model_len == model.config.max_position_embeddings
 
 # ---- logits rows --------------------------------------------------------------------------------
 
