@@ -125,6 +125,7 @@ def test_engine_steps_mixing_prefills_and_decodes(family):
                            for p, flag in zip(prompts, flags)]
             outputs = [handle.result() for handle in handles]
             windows = [layer.sliding_window for layer in llm.runner.layers]
+            recorded.pop("remove_hooks")()
         runs[label] = (outputs, recorded, windows)
     outputs, recorded, windows = runs["asking"]
     assert any(mode is ForwardMode.EXTEND and num_decoding for mode, num_decoding, _ in recorded["steps"]), \
@@ -176,8 +177,10 @@ def record_probabilities(llm: nnrun.LLM) -> dict:
             recorded["by_request"].setdefault(request_id, {}).setdefault(module.layer_idx, []).append(tensor)
 
     runner.run_model = recording_run_model
-    for path in attention_paths(runner.model):
-        runner.model.get_submodule(path).register_forward_hook(hook)
+    # Removed when the engine shuts down: the model outlives it, and a later engine's load-time probe
+    # runs the model plainly (eager probabilities, not AttentionProbs).
+    handles = [runner.model.get_submodule(path).register_forward_hook(hook) for path in attention_paths(runner.model)]
+    recorded["remove_hooks"] = lambda: [handle.remove() for handle in handles]
     return recorded
 
 
