@@ -35,7 +35,6 @@ def load_model(model_config: ModelConfig, device_config: DeviceConfig) -> Loaded
         name, path = str(source), _resolve_path(str(source))
         model = _from_pretrained(path, model_config, device_config.torch_dtype)
     model = model.to(device=device_config.device, dtype=device_config.torch_dtype).eval()
-    check_model_supported(model.config)
     tokenizer = _load_tokenizer(model_config.tokenizer, path, model_config)
     return LoadedModel(model, tokenizer, name)
 
@@ -98,16 +97,22 @@ def _load_tokenizer(tokenizer: Any, path: str | None, model_config: ModelConfig)
         return None  # a checkpoint without tokenizer files: token-id prompts still work
 
 
-def check_model_supported(config: PretrainedConfig) -> None:
-    """Refuse models whose numbers for one request would depend on the others in a packed batch."""
+def packed_unfit_reason(config: PretrainedConfig) -> str | None:
+    """Why a config's numbers for one request would depend on the others in a packed batch (None: no known reason)."""
     for rope in _rope_settings(config):
         rope_type = rope.get("rope_type") or rope.get("type")
         if rope_type in UNSAFE_ROPE_TYPES:
-            raise ValueError(
-                f"model config has rope_type={rope_type!r}: its RoPE frequencies depend on the longest position "
-                "in the whole batch, so packed requests would change each other's results; nnrun refuses "
-                "such models (use a static RoPE scaling: default, linear, llama3 or yarn)"
-            )
+            return (f"rope_type={rope_type!r}: its RoPE frequencies depend on the longest position in the whole "
+                    "batch, so packed requests would change each other's results")
+    return None
+
+
+def check_model_supported(config: PretrainedConfig) -> None:
+    """Refuse configs the packed path cannot serve where there is no exact path to fall back on (tensor parallel)."""
+    reason = packed_unfit_reason(config)
+    if reason is not None:
+        raise ValueError(f"model config has {reason}; nnrun refuses such models here (use a static RoPE scaling: "
+                         "default, linear, llama3 or yarn)")
 
 
 def _rope_settings(config: PretrainedConfig) -> list[dict]:
@@ -132,4 +137,4 @@ def max_context_len(config: PretrainedConfig) -> int:
     return 2048
 
 
-__all__ = ["LoadedModel", "check_model_supported", "load_model", "max_context_len"]
+__all__ = ["LoadedModel", "check_model_supported", "load_model", "max_context_len", "packed_unfit_reason"]

@@ -22,7 +22,7 @@ from nnrun.cuda_graph import CudaGraphCapturer, DecodeGraphRunner, GraphCapturer
 from nnrun.forward_batch import (ForwardBatch, ForwardMode, decode_forward_batch, is_decode_step,
                                  packed_forward_batch)
 from nnrun.kv_sizing import GiB, kv_budget_bytes, profile_prompt_lengths
-from nnrun.loader import load_model, max_context_len
+from nnrun.loader import load_model, max_context_len, packed_unfit_reason
 from nnrun.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator, hold_kv, release_kv
 from nnrun.model_probe import AttentionLayerInfo
 from nnrun.output_layout import returns_every_position
@@ -71,7 +71,8 @@ class ModelRunner:
         adapt_positions(self.model)  # modules that number positions themselves take each request's own
         self.layers: list[AttentionLayerInfo] = []
         # Why the packed path cannot serve this model, known before any packed step runs (None: ask the probe).
-        self.packed_unfit: str | None = FORCED_REASON if self.config.model.forward_path == "exact" else None
+        self.packed_unfit: str | None = (FORCED_REASON if self.config.model.forward_path == "exact"
+                                         else packed_unfit_reason(self.model.config))
         if self.packed_unfit is None:
             self.layers, self.packed_unfit = packed_layers(self.model, self.device)
         # Decided once: a model that ignores logits_to_keep (Whisper's decoder) has its rows taken by the runner.

@@ -96,11 +96,20 @@ def test_hub_id_loads_from_the_local_hub_cache(checkpoint_dir, tmp_path):
     assert "LlamaForCausalLM acme/tiny" in done.stdout
 
 
-def test_dynamic_rope_is_refused_with_a_reason():
+def test_dynamic_rope_runs_on_the_exact_path_with_the_reason():
+    """Its frequencies depend on the longest position in a batch: each request runs through HF's own forward."""
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    with pytest.raises(ValueError, match="rope_type='dynamic'"):
-        nnrun.LLM(LlamaForCausalLM(config))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    prompts = [list(range(3, 23)), [5, 6, 7]]
+    with torch.no_grad():
+        expected = [model.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    with nnrun.LLM(model) as llm:
+        assert "rope_type='dynamic'" in llm.runner.exact_forward.reason
+        outputs = llm.generate(prompts, nnrun.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
 
 
 def test_in_memory_model_stays_usable_as_plain_hf():
