@@ -55,12 +55,8 @@ class NNsightGPUModelRunner(ModelRunner):
         self.nnsight_requests = NNsightRequestHelper(self.interleaver)
 
     # ---- 1. layout ------------------------------------------------------------------------
-    def prepare_forward_batch_extend(self, reqs: list[Request]) -> ForwardBatch:
-        forward_batch = super().prepare_forward_batch_extend(reqs)
-        wants = [self.nnsight_requests.wants_all_logits(req) for req in reqs]
-        if any(wants):
-            _keep_all_logits(forward_batch, wants)
-        return forward_batch
+    def keeps_all_logits(self, req: Request) -> bool:
+        return self.nnsight_requests.wants_all_logits(req)  # a traced prompt's logits are HF's [1, T, V]
 
     def forward_groups(self, reqs: list[Request]) -> list[list[Request]]:
         """On the exact path, a request whose invoke spans several prompts fails: it needs them in one forward."""
@@ -231,25 +227,6 @@ def _logit_spans(forward_batch: ForwardBatch) -> list[tuple[int, int]]:
         spans.append((start, last - start + 1))
         start = last + 1
     return spans
-
-
-def _keep_all_logits(forward_batch: ForwardBatch, wants: list[bool]) -> None:
-    """Rebuild the logits layout so the requests in `wants` keep every position's logits."""
-    indices: list[int] = []
-    next_rows: list[int] = []
-    prompt_rows: list[tuple[int, int] | None] = []
-    for i, (start, length) in enumerate(_logit_spans(forward_batch)):
-        rows = forward_batch.logits_indices[start : start + length].tolist()
-        if wants[i]:
-            first = forward_batch.extend_start_loc[i]
-            rows = list(range(first, first + forward_batch.extend_seq_lens[i]))
-        had_prompt_rows = forward_batch.prompt_logits_rows and forward_batch.prompt_logits_rows[i] is not None
-        prompt_rows.append((len(indices), len(indices) + len(rows) - 1) if had_prompt_rows else None)
-        indices.extend(rows)
-        next_rows.append(len(indices) - 1)
-    forward_batch.logits_indices = torch.tensor(indices, dtype=torch.int64)  # [R]
-    forward_batch.next_token_logits_rows = next_rows
-    forward_batch.prompt_logits_rows = prompt_rows
 
 
 def _module_path(model: torch.nn.Module, module: torch.nn.Module | None) -> str | None:

@@ -145,13 +145,16 @@ PLAIN_LAYOUT_MAX_TOKENS = 128
 
 
 def packed_forward_batch(reqs: list[Request], mode: ForwardMode, req_to_token: torch.Tensor, page_size: int,
-                         wants_prompt_logits: list[bool]) -> ForwardBatch:
+                         wants_prompt_logits: list[bool], keeps_all_logits: list[bool] | None = None) -> ForwardBatch:
     """Every uncached token of each request, flattened (the scheduler has allocated the pages).
 
     Slots and positions come from plain ints for a small step, else from a few whole-batch tensor
     ops, whatever the number of requests; the request table (`req_to_token`) records the new
-    tokens' slots in place.
+    tokens' slots in place. The logits layout is decided here, once: a request keeps every new
+    token's logits when it wants prompt logprobs or `keeps_all_logits` says so (a traced prompt,
+    whose logits are HF's `[1, T, V]`), else its last token's.
     """
+    keeps_all_logits = keeps_all_logits or [False] * len(reqs)
     prefix_lens = [req.num_computed_tokens for req in reqs]
     seq_lens = [req.num_tokens for req in reqs]
     q_lens = [seq - prefix for seq, prefix in zip(seq_lens, prefix_lens)]
@@ -163,13 +166,13 @@ def packed_forward_batch(reqs: list[Request], mode: ForwardMode, req_to_token: t
     rows = torch.tensor([req.req_pool_idx for req in reqs], dtype=torch.int64)  # [B]
     kv_slot_table = req_to_token[rows, : max(seq_lens, default=0)]  # [B, max_seq_len] (a copy)
     input_ids, logits_indices, next_rows, prompt_rows = [], [], [], []
-    for req, prefix, start, q_len, wants in zip(reqs, prefix_lens, starts, q_lens, wants_prompt_logits):
+    for req, prefix, start, q_len, wants, keeps_all in zip(reqs, prefix_lens, starts, q_lens, wants_prompt_logits,
+                                                           keeps_all_logits):
         input_ids.extend(req.all_token_ids[prefix:])
-        if wants:  # every prompt position's logits (prompt logprobs), then the next token's
-            prompt_rows.append((len(logits_indices), len(logits_indices) + q_len - 1))
+        prompt_rows.append((len(logits_indices), len(logits_indices) + q_len - 1) if wants else None)
+        if wants or keeps_all:  # every new position's logits (prompt logprobs, a trace's), the next token's last
             logits_indices.extend(range(start, start + q_len))
         else:
-            prompt_rows.append(None)
             logits_indices.append(start + q_len - 1)
         next_rows.append(len(logits_indices) - 1)
     return ForwardBatch(

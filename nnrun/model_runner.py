@@ -263,9 +263,15 @@ class ModelRunner:
         if self.exact_forward is not None:  # one request per forward (`forward_groups`)
             if len(reqs) != 1:
                 raise RuntimeError(f"the exact path runs one request per forward, got {len(reqs)}")
-            return self.exact_forward.forward_batch(reqs[0], self._wants_prompt_logits(reqs[0]))
+            return self.exact_forward.forward_batch(reqs[0], self._wants_prompt_logits(reqs[0]),
+                                                    self.keeps_all_logits(reqs[0]))
         return packed_forward_batch(reqs, mode, self.req_to_token_pool.req_to_token, self.allocator.page_size,
-                                    [self._wants_prompt_logits(req) for req in reqs])
+                                    [self._wants_prompt_logits(req) for req in reqs],
+                                    [self.keeps_all_logits(req) for req in reqs])
+
+    def keeps_all_logits(self, req: Request) -> bool:
+        """Whether `req` keeps every new token's logits this step (a seam: the nnsight runner's traces do)."""
+        return False
 
     @staticmethod
     def _wants_prompt_logits(req: Request) -> bool:

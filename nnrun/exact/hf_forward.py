@@ -51,7 +51,7 @@ class HFForward:
         self.reason: str | None = None  # why the model runs on the exact path (set by the path choice)
 
     # ---- layout ---------------------------------------------------------------------------
-    def forward_batch(self, req: Request, wants_prompt_logits: bool) -> ForwardBatch:
+    def forward_batch(self, req: Request, wants_prompt_logits: bool, keeps_all_logits: bool = False) -> ForwardBatch:
         """The one-request batch HF runs next: the uncached tokens, or the whole sequence if nothing is cached."""
         cache = self.caches.get(req.request_id)
         start = cache.num_tokens if cache is not None and cache.num_tokens == req.num_computed_tokens else 0
@@ -59,7 +59,7 @@ class HFForward:
             self.caches.pop(req.request_id, None)
         token_ids = req.all_token_ids[start:]
         num_new = len(token_ids)
-        logits_rows = list(range(num_new)) if wants_prompt_logits else [num_new - 1]
+        logits_rows = list(range(num_new)) if wants_prompt_logits or keeps_all_logits else [num_new - 1]
         return ForwardBatch(
             forward_mode=ForwardMode.EXTEND if num_new > 1 else ForwardMode.DECODE,
             reqs=[req],
