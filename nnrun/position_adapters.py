@@ -6,7 +6,8 @@ every request's tokens, or start where HF starts them:
 
 - the decoders of encoder-decoder families (`*ForCausalLM` of bart, mbart, marian, pegasus, plbart,
   blenderbot, blenderbot-small, bigbird_pegasus) number positions `arange(N) + cache length` and
-  hand them to their `embed_positions` module;
+  hand them to their `embed_positions` module (the same kind of module in OPT, BioGPT or XGLM is
+  adapted too, and gets the ids it was given anyway);
 - roberta-style embeddings (roberta, xlm-roberta, xlm-roberta-xl, roberta-prelayernorm, camembert,
   data2vec-text, xmod) number positions from `padding_idx + 1`, as HF does when given no
   `position_ids`;
@@ -33,6 +34,7 @@ from nnrun.attention.context import current_position_ids
 from nnrun.attention.hf_glue import QUERY_RESCALE
 
 _ADAPTED = "_nnrun_position_adapter"  # set on an adapted module: the pass runs once per model object
+_SIGNATURE = "_nnrun_forward_signature"  # the module's HF forward signature, read once at install
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ def max_positions(model: torch.nn.Module) -> int | None:
 def _install(module: torch.nn.Module, adapter: PositionAdapter) -> None:
     # A method bound to the module (not a closure over it): a deep copy of the model rebinds it to the copy.
     module.forward = types.MethodType(_adapted_forward, module)
+    module.__dict__[_SIGNATURE] = inspect.signature(type(module).forward)
     setattr(module, _ADAPTED, adapter)
 
 
@@ -115,7 +118,7 @@ def _adapted_forward(self: torch.nn.Module, *args, **kwargs):
     step_positions = current_position_ids()
     if step_positions is None:
         return hf_forward(self, *args, **kwargs)
-    bound = inspect.signature(hf_forward).bind(self, *args, **kwargs)
+    bound = self.__dict__[_SIGNATURE].bind(self, *args, **kwargs)
     bound.arguments["position_ids"] = getattr(self, _ADAPTED).to_module_positions(self, step_positions)
     return hf_forward(*bound.args, **bound.kwargs)
 
