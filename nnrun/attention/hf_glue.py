@@ -92,14 +92,13 @@ _UNSUPPORTED_TENSOR_INPUTS = ("position_bias", "sinks")
 
 
 def _refuse_unsupported_inputs(module: torch.nn.Module, kwargs: dict) -> None:
-    if kwargs.get("position_bias") is None and kwargs.get("sinks") is None:
+    if kwargs.get("position_bias") is None and kwargs.get("sinks") is None:  # two reads: this runs per layer call
         return
     given = [name for name in _UNSUPPORTED_TENSOR_INPUTS if kwargs.get(name) is not None]
-    if given:
-        raise ValueError(
-            f"{type(module).__name__} (layer {module.layer_idx}) passes {given} to its attention: per-query "
-            "score terms that nnrun's packed attention does not apply, so its results would be wrong"
-        )
+    raise ValueError(
+        f"{type(module).__name__} (layer {module.layer_idx}) passes {given} to its attention: per-query "
+        "score terms that nnrun's packed attention does not apply, so its results would be wrong"
+    )
 
 
 # Attention inputs HF's sdpa cannot apply (it drops sinks and refuses softcaps): the module's own eager runs them.
@@ -124,7 +123,7 @@ def _plain_attention(module, query, key, value, attention_mask, dropout, scaling
 def _additive_mask(sdpa_mask_: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """The eager form (0 or the dtype's min, added to the scores) of the mask our builder made for sdpa.
 
-    sdpa's builder returns None where the mask is plain causal (sdpa then runs `is_causal`).
+    None (a model that built no mask) means plain causal, bottom-right aligned.
     """
     if sdpa_mask_ is None:
         q_len, kv_len = query.shape[2], key.shape[2]
