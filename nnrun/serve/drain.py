@@ -22,13 +22,11 @@ from typing import Any, Generator
 
 import uvicorn
 
+from nnrun.serve.wire import ServerShuttingDown
+
 logger = logging.getLogger("nnrun.serve")
 SHUTDOWN_GRACE_S = 5.0  # past the drain timeout, for the engine and the worker threads to stop
 FORCED_EXIT_STATUS = 1
-
-
-class ServerShuttingDown(ConnectionError):
-    """The server stopped (SIGTERM) before this request finished; it was aborted. Send it again once it is back."""
 
 
 class Drain:

@@ -33,6 +33,13 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 3600.0  # a trace may queue behind others; the server's own limit ends it first
 
 
+class ServerShuttingDown(ConnectionError):
+    """The server stopped (SIGTERM) before this request finished; it was aborted. Send it again once it is back.
+
+    Defined here, where clients import it without the server's packages, so it reaches them as its own type.
+    """
+
+
 def accepted_kwargs(kind: str) -> tuple[str, ...]:
     """The keywords a remote `trace`/`generate` may carry: a local one's, but no streamer (it would run here)."""
     from interleaver.attentions import ATTENTION_KWARGS

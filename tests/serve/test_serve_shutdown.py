@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 import nnrun
-from nnrun.serve.drain import ServerShuttingDown
+from nnrun.serve.wire import ServerShuttingDown
 from serve_helpers import API_KEY, ServerProcess
 
 pytestmark = pytest.mark.slow
