@@ -8,6 +8,7 @@ differ) fails the check: nothing may be silently wrong.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass
 
@@ -32,12 +33,13 @@ class FamilyResult:
 def hf_oracle(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[list[int]]]:
     """Per prompt, HF's logits `[T, V]` for it alone and its greedy continuation (no cache: the plain forward)."""
     logits, continuations = [], []
+    no_cache = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
     with torch.no_grad():
         for prompt in PROMPTS:
-            logits.append(model(input_ids=torch.tensor([prompt])).logits[0])
+            logits.append(model(input_ids=torch.tensor([prompt]), **no_cache).logits[0])
             ids = list(prompt)
             for _ in range(NUM_GREEDY_TOKENS):
-                ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+                ids.append(int(model(input_ids=torch.tensor([ids]), **no_cache).logits[0, -1].argmax()))
             continuations.append(ids[len(prompt):])
     return logits, continuations
 

@@ -46,6 +46,14 @@ prompt alone with HF's own cache, compared relative to the logits' magnitude (1e
 in half precision). A model that differs never serves from the packed path. `LLM(...,
 forward_path="exact")` (or `nnrun.LanguageModel(..., forward_path="exact")`) puts any model on the
 exact path.
+
+What the exact path does not do: an invoke over several prompts (an empty invoke, a list of
+prompts in one invoke) is refused by name, since each prompt has its own forward; for the same
+reason `tracer.barrier` between invokes fails. Decode steps never replay CUDA graphs. HF's own
+caches live outside nnrun's KV pool (whose pages then only count tokens for the scheduler) and are
+not budgeted: on a full GPU a long generation can run out of memory where the packed path would
+have waited for pages. Tensor-parallel engines have no exact path and refuse what would need it. It is slower: on the bundled tiny-facts model on CPU, 8 prompts with 16
+greedy tokens each took 230 ms on the exact path against 76 ms packed.
 - **refused at load**: the family's own HF forward fails on a plain prompt as configured; nnrun
   says so at load, naming the family and HF's error.
 - **not checked**: the sweep's tiny version of the default config does not build (the failure is
