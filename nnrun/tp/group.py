@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 1800.0  # loading a shard of a large checkpoint from a slow disk
 STOP_GRACE_S = 5.0  # a rank told to stop has this long before it is killed
 DEATH_GRACE_S = 0.5  # after an error, how long to look for the rank whose death caused it
+# A pipe (a socket pair) buffers at least this much, so a smaller send never blocks, even on a
+# rank that has stopped reading: only one step is ever in flight.
+INLINE_SEND_BYTES = 64 << 10
 
 
 class TensorParallelError(RuntimeError):
@@ -53,6 +56,8 @@ class RankGroup:
         context = mp.get_context("spawn")
         self.conns: list[Connection] = []
         self.processes: list = []
+        # Registered before the first start: ranks already started are stopped even if a later one fails to.
+        self._finalizer = weakref.finalize(self, _stop_processes, self.conns, self.processes)
         for rank in range(self.world_size):
             ours, theirs = context.Pipe(duplex=True)
             spec = RankSpec(rank, self.world_size, self._store.port, checkpoint, worker_config,
@@ -63,7 +68,6 @@ class RankGroup:
             theirs.close()
             self.conns.append(ours)
             self.processes.append(process)
-        self._finalizer = weakref.finalize(self, _stop_processes, self.conns, self.processes)
 
     # ---- start -------------------------------------------------------------------------------
     def wait_ready(self) -> dict:
@@ -82,18 +86,12 @@ class RankGroup:
         message = self._recv(rank, "loading its shard")
         if wire.message_kind(message) is wire.MessageKind.ERROR:
             self._fail_with_report(message, "loading its shard")
-        return wire.decode_ready(message)
+        return wire.decode_report(message)
 
     # ---- steps -------------------------------------------------------------------------------
     def run_step(self, message: memoryview) -> torch.Tensor:
         """Send one step to every rank; returns rank 0's logits `[R, V]` (on the CPU)."""
-        self.check_alive()
-        try:
-            for conn in self.conns:
-                conn.send_bytes(message)
-        except OSError:
-            self._fail(self._first_death("receiving a step") or TensorParallelError(
-                "a tensor-parallel rank closed its pipe before the step was sent"))
+        self._send_all(message)
         deadline = time.monotonic() + self.step_timeout_s
         while True:
             self._wait_any(list(range(self.world_size)), deadline, "running a step")
@@ -105,6 +103,46 @@ class RankGroup:
                 if wire.message_kind(header) is wire.MessageKind.ERROR:
                     self._fail_with_report(header, "running a step")
                 return wire.decode_logits(header, bytearray(self._recv(0, "sending its logits")))
+
+    def start_profile(self) -> None:
+        """Start timing the ranks' collectives (between steps: the caller holds the runner's step lock)."""
+        self._send_all(wire.encode_kind(wire.MessageKind.PROFILE_START))
+
+    def stop_profile(self) -> dict[str, float]:
+        """Stop timing; rank 0's `wall_s`, `collective_s` and `num_collectives` since `start_profile`."""
+        self._send_all(wire.encode_kind(wire.MessageKind.PROFILE_STOP))
+        self._wait_any([0], time.monotonic() + self.step_timeout_s, "reporting its collective times")
+        message = self._recv(0, "reporting its collective times")
+        if wire.message_kind(message) is wire.MessageKind.ERROR:
+            self._fail_with_report(message, "reporting its collective times")
+        return wire.decode_report(message)
+
+    def _send_all(self, message: bytes | memoryview) -> None:
+        """Send to every rank. A message larger than a socket buffer is sent from a thread the front end
+        waits for with the step timeout: a hung rank stops reading, and a blocked send must not hang us."""
+        self.check_alive()
+        failure: list[BaseException] = []
+
+        def send() -> None:
+            try:
+                for conn in self.conns:
+                    conn.send_bytes(message)
+            except OSError as error:
+                failure.append(error)
+
+        if memoryview(message).nbytes <= INLINE_SEND_BYTES:
+            send()
+        else:
+            sender = threading.Thread(target=send, name="nnrun-tp-send", daemon=True)
+            sender.start()
+            sender.join(self.step_timeout_s)
+            if sender.is_alive():
+                self._fail(TensorParallelError(
+                    f"a tensor-parallel rank read no step for {self.step_timeout_s:g} s (tensor_parallel_timeout); "
+                    f"it is hung. All {self.world_size} ranks were stopped"))
+        if failure:
+            self._fail(self._first_death("receiving a message") or TensorParallelError(
+                f"a tensor-parallel rank closed its pipe before a message was sent ({failure[0]})"))
 
     def _recv(self, rank: int, doing: str) -> bytes:
         try:
@@ -185,7 +223,7 @@ class RankGroup:
 def _stop_processes(conns: list[Connection], processes: list) -> None:
     for conn in conns:
         try:
-            conn.send_bytes(wire.encode_stop())
+            conn.send_bytes(wire.encode_kind(wire.MessageKind.STOP))
         except OSError:
             pass
     deadline = time.monotonic() + STOP_GRACE_S

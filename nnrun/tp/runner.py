@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -52,6 +53,7 @@ class TensorParallelRunner(ModelRunner):
         model_config = self.config.model
         tp_size = self.config.parallel.tensor_parallel_size
         _refuse_sources_without_checkpoint(model_config.model, model_config.load_format, tp_size)
+        _check_devices(self.config.device.device, tp_size)
         if importlib.util.find_spec("accelerate") is None:
             raise ValueError(f"tensor_parallel_size={tp_size} needs the accelerate package (transformers shards a "
                              "checkpoint over ranks with it): pip install 'nnrun[tp]'")
@@ -86,6 +88,21 @@ class TensorParallelRunner(ModelRunner):
     def run_model(self, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.group.run_step(wire.encode_step(forward_batch, self.allocator.page_size))
 
+    @contextmanager
+    def profile_collectives(self) -> Iterator[dict[str, float]]:
+        """Time rank 0's collectives over the steps run inside the `with` block (for benchmarks).
+
+        The dict it yields is filled when the block ends: `wall_s`, `collective_s`, `num_collectives`.
+        """
+        stats: dict[str, float] = {}
+        with self.step_lock:  # windows open and close between steps
+            self.group.start_profile()
+        try:
+            yield stats
+        finally:
+            with self.step_lock:
+                stats.update(self.group.stop_profile())
+
     def run_prefill_only(self, token_id_lists: list[list[int]]) -> ForwardBatch:
         raise NotImplementedError(
             "activation extraction (nnrun.extract, nnrun extract) is not served with tensor_parallel_size > 1 yet: "
@@ -111,6 +128,16 @@ def _refuse_sources_without_checkpoint(source: Any, load_format: str, tp_size: i
             f"tensor_parallel_size={tp_size} with load_format={load_format!r} is not supported: each rank reads "
             "its shard from a checkpoint. Save a randomly initialised model with save_pretrained and pass the folder"
         )
+
+
+def _check_devices(device: str, tp_size: int) -> None:
+    """Rank r runs on GPU r (choose the GPUs with CUDA_VISIBLE_DEVICES), or on this machine's CPU."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"tensor_parallel_size={tp_size} runs on device='cpu' or device='cuda' (rank r on GPU r; "
+                         f"pick the GPUs with CUDA_VISIBLE_DEVICES), got device={device!r}")
+    if device == "cuda" and torch.cuda.device_count() < tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} needs {tp_size} GPUs, one per rank; this machine shows "
+                         f"{torch.cuda.device_count()}")
 
 
 def tensor_parallel_runner_class(runner_cls: type[ModelRunner]) -> type[ModelRunner]:

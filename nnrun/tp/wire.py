@@ -25,6 +25,9 @@ class MessageKind(enum.IntEnum):
     LOGITS = 3  # rank 0 -> front end: the step's logits rows
     ERROR = 4  # any rank -> front end: a traceback; that rank exits after sending it
     READY = 5  # every rank -> front end, once loaded: rank 0 adds what the front end must mirror
+    PROFILE_START = 6  # front end -> every rank: time collectives from now on
+    PROFILE_STOP = 7  # front end -> every rank: stop timing; rank 0 answers with STATS
+    STATS = 8  # rank 0 -> front end: the window's wall time and collective time
 
 
 _MODE_CODES = {ForwardMode.EXTEND: 0, ForwardMode.DECODE: 1}
@@ -54,8 +57,9 @@ def encode_step(forward_batch: ForwardBatch, page_size: int) -> memoryview:
     return memoryview(buffer)
 
 
-def encode_stop() -> bytes:
-    return np.array([MessageKind.STOP], dtype=np.int64).tobytes()
+def encode_kind(kind: MessageKind) -> bytes:
+    """A message that is only its kind (STOP, PROFILE_START, PROFILE_STOP)."""
+    return np.array([kind], dtype=np.int64).tobytes()
 
 
 def message_kind(message: bytes) -> MessageKind:
@@ -124,12 +128,12 @@ def decode_logits(header: bytes, payload: bytearray) -> torch.Tensor:
     return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(num_rows, vocab)  # [R, V]
 
 
-def encode_ready(report: dict) -> bytes:
-    """Sent once per rank at load (not per step), so a pickle is fine here."""
-    return np.array([MessageKind.READY], dtype=np.int64).tobytes() + pickle.dumps(report)
+def encode_report(kind: MessageKind, report: dict) -> bytes:
+    """READY or STATS: sent once per load or profiling window (never per step), so a pickle is fine here."""
+    return np.array([kind], dtype=np.int64).tobytes() + pickle.dumps(report)
 
 
-def decode_ready(message: bytes) -> dict:
+def decode_report(message: bytes) -> dict:
     return pickle.loads(message[8:])
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from nnrun.config import EngineConfig
 from nnrun.model_runner import ModelRunner
 from nnrun.tp import wire
+from nnrun.tp.profiling import CollectiveTimer
 
 PARENT_POLL_S = 0.5  # how often a rank checks that its front end is still alive
 # A rank's collectives wait this much longer than the front end waits for a step, so that a hung
@@ -82,7 +83,7 @@ def run_rank(spec: RankSpec, conn: Connection, parent_pid: int) -> None:
     try:
         runner = _start(spec)
         info = {"layers": runner.layers, "num_pages": runner.kv_pool.num_pages, "max_model_len": runner.max_model_len}
-        conn.send_bytes(wire.encode_ready(info if spec.rank == 0 else {}))
+        conn.send_bytes(wire.encode_report(wire.MessageKind.READY, info if spec.rank == 0 else {}))
         _serve_steps(runner, conn, spec.rank)
     except BaseException:
         _report(conn, spec.rank, traceback.format_exc())
@@ -91,17 +92,8 @@ def run_rank(spec: RankSpec, conn: Connection, parent_pid: int) -> None:
 
 
 def _start(spec: RankSpec) -> ShardRunner:
-    device = spec.config.device.device
-    if device.startswith("cuda"):
-        device = f"cuda:{spec.rank}"
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(spec.num_threads)
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks share this machine: loopback only
-    timeout = timedelta(seconds=spec.timeout_s * COLLECTIVE_TIMEOUT_FACTOR)
-    store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False, timeout=timeout)
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=dist.PrefixStore("nnrun-tp", store),
-                            rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+    device = _claim_device(spec)
+    _join_group(spec, device)
     device_config = dataclasses.replace(spec.config.device, device=device, enable_cuda_graphs=False)
     device_config.torch_dtype = spec.config.device.torch_dtype
     config = dataclasses.replace(spec.config, device=device_config)
@@ -114,12 +106,44 @@ def _start(spec: RankSpec) -> ShardRunner:
     return runner
 
 
+def _claim_device(spec: RankSpec) -> str:
+    """This rank's device: GPU `rank` on CUDA, else the CPU with its share of the threads."""
+    # transformers binds each rank to its device by these (torchrun's) variables
+    os.environ.update(RANK=str(spec.rank), LOCAL_RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size))
+    if spec.config.device.device.startswith("cuda"):
+        device = f"cuda:{spec.rank}"
+        torch.cuda.set_device(device)
+        return device
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks: transformers must not build its mesh on a GPU
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks share this machine: loopback only
+    torch.set_num_threads(spec.num_threads)
+    return "cpu"
+
+
+def _join_group(spec: RankSpec, device: str) -> None:
+    timeout = timedelta(seconds=spec.timeout_s * COLLECTIVE_TIMEOUT_FACTOR)
+    store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False, timeout=timeout)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=dist.PrefixStore("nnrun-tp", store),
+                            rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+
+
 def _serve_steps(runner: ShardRunner, conn: Connection, rank: int) -> None:
     page_size = runner.allocator.page_size
+    timer: CollectiveTimer | None = None
     while True:
         message = conn.recv_bytes()  # EOFError when the front end is gone: the rank exits
-        if wire.message_kind(message) is wire.MessageKind.STOP:
+        kind = wire.message_kind(message)
+        if kind is wire.MessageKind.STOP:
             return
+        if kind is wire.MessageKind.PROFILE_START:
+            timer = CollectiveTimer(runner.device)
+            continue
+        if kind is wire.MessageKind.PROFILE_STOP:
+            stats = timer.stop() if timer is not None else {}
+            timer = None
+            if rank == 0:
+                conn.send_bytes(wire.encode_report(wire.MessageKind.STATS, stats))
+            continue
         forward_batch = wire.decode_step(message, page_size)
         logits = runner.run_model(forward_batch)  # [R, V], every rank
         if rank == 0:

@@ -21,7 +21,8 @@ RTOL, ATOL = 1e-5, 1e-5
 @pytest.fixture(scope="module")
 def tp2():
     """The module's TP=2 engine; its teardown checks that a shutdown leaves no rank and no port behind."""
-    llm = LLM("tiny-facts", tensor_parallel_size=2, tensor_parallel_timeout=60)
+    # A pool of 32 pages of 16: the tests fit, except the one that fills it on purpose
+    llm = LLM("tiny-facts", tensor_parallel_size=2, tensor_parallel_timeout=60, max_total_tokens=512)
     group = llm.runner.group
     port = group._store.port
     yield llm
@@ -121,6 +122,16 @@ def test_many_callers_from_threads(tp2, tp1):
     for thread in threads:
         thread.join(60)
     assert results == expected
+
+
+def test_preemption_when_the_pool_runs_dry_changes_no_token(tp2, tp1):
+    prompts = [f"{p} {i}" for i in range(2) for p in PROMPTS]  # 8 requests of about 90 tokens: 48 pages > 32
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True)
+    before = tp2.core.scheduler.num_preemptions
+    ours = [o.outputs[0].token_ids for o in tp2.generate(prompts, params)]
+    assert tp2.core.scheduler.num_preemptions > before
+    assert ours == [o.outputs[0].token_ids for o in tp1.generate(prompts, params)]
+    tp2.runner.allocator.check_no_leaks()
 
 
 def test_extraction_is_refused_by_name(tp2):

@@ -60,15 +60,21 @@ def test_a_killed_rank_fails_every_waiting_caller_and_shutdown_leaves_nothing():
     assert _port_is_closed(port)
 
 
-def test_a_hung_rank_is_reported_after_the_timeout():
-    llm = LLM("tiny-facts", tensor_parallel_size=2, tensor_parallel_timeout=8)
+# A decode step of one request, and a prefill of 75 x 120 tokens whose step message (about 220 KB)
+# is larger than the pipe's socket buffer: sending it to a rank that stopped reading would block.
+HUNG_STEPS = {"small": ["Water boils at"], "larger than the pipe buffer": [[5] * 120] * 75}
+
+
+@pytest.mark.parametrize("step", list(HUNG_STEPS))
+def test_a_hung_rank_is_reported_after_the_timeout(step):
+    llm = LLM("tiny-facts", tensor_parallel_size=2, tensor_parallel_timeout=8, max_num_batched_tokens=16384)
     pids = [p.pid for p in llm.runner.group.processes]
     try:
         assert llm.generate("Water boils at", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
         os.kill(pids[1], signal.SIGSTOP)  # alive, silent: rank 0 waits in its next collective
         start = time.monotonic()
-        with pytest.raises(TensorParallelError, match="no answer within 8 s while running a step"):
-            llm.generate("Water boils at", SamplingParams(max_tokens=4))
+        with pytest.raises(TensorParallelError, match="8 s .*hung"):
+            llm.generate(HUNG_STEPS[step], SamplingParams(max_tokens=4))
         assert time.monotonic() - start < 8 + 10
         assert _wait_gone(pids, 10)  # a stopped rank is killed too
     finally:

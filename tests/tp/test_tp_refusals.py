@@ -56,3 +56,8 @@ def test_interventions_are_refused_by_name():
 def test_commands_refuse_tensor_parallel_by_name(command, capsys):
     assert cli_main([*command, "--tensor-parallel-size", "2"]) == 2
     assert f"nnrun {command[0]} does not run on tensor-parallel ranks yet" in capsys.readouterr().err
+
+
+def test_devices_other_than_cpu_or_all_gpus_are_refused():
+    with pytest.raises(ValueError, match="runs on device='cpu' or device='cuda'"):
+        LLM("tiny-facts", tensor_parallel_size=2, device="mps")
