@@ -14,9 +14,9 @@ import torch
 
 from nnrun.attention.base import AttentionBackend
 from nnrun.attention.flashinfer_plan import (
-    PagedKVPlan, PlanGroup, group_layers, layer_to_group_index, pad_decode_plan, plan_forward_batch,
+    PagedKVPlan, PlanGroup, flashinfer_unplanned_features, group_layers, layer_to_group_index, pad_decode_plan,
+    plan_forward_batch,
 )
-from nnrun.attention.selection import flashinfer_unplanned_features
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.memory import KVPool
 from nnrun.model_probe import AttentionLayerInfo

@@ -196,3 +196,22 @@ def pad_decode_plan(plan: PagedKVPlan, batch_size: int, trash_page: int) -> Page
         kv_indices=torch.cat([plan.kv_indices, torch.full((num_pad,), trash_page, dtype=torch.int32)]),
         kv_last_page_len=torch.cat([plan.kv_last_page_len, torch.ones(num_pad, dtype=torch.int32)]),  # [bs]
     )
+
+
+def flashinfer_unplanned_features(layers: list, page_size: int | None) -> str | None:
+    """Why nnrun's FlashInfer backend cannot serve these layers, or None when it can.
+
+    Attention sinks are applied from the kernel's log-sum-exp, which is that of the capped logits
+    when a softcap is set: no family has both, and nnrun does not plan them together. Chunked
+    attention is planned as one request per chunk, which needs chunks made of whole KV pages.
+    """
+    capped_sink_layers = [layer.layer_idx for layer in layers if layer.has_sinks and layer.softcap is not None]
+    if capped_sink_layers:
+        return (f"layers {capped_sink_layers} have attention sinks and a softcap together, which nnrun's FlashInfer "
+                "backend does not plan")
+    odd_chunks = sorted({layer.chunk_size for layer in layers
+                         if layer.chunk_size is not None and (page_size is None or layer.chunk_size % page_size)})
+    if odd_chunks:
+        return (f"attention chunks of {odd_chunks} tokens are not whole KV pages of {page_size} tokens, which "
+                "nnrun's FlashInfer backend plans chunks from")
+    return None
