@@ -77,7 +77,8 @@ class LLM:
     `LLM(model, tokenizer=None, device="cpu", dtype=None, **engine_kwargs)`: `model` is a
     `PreTrainedModel`, a checkpoint folder, a hub id or a bundled name such as "tiny-facts";
     engine keywords are the fields of the config dataclasses (page_size, max_total_tokens,
-    max_num_seqs, max_num_batched_tokens, max_model_len, load_format, ...).
+    max_num_seqs, max_num_batched_tokens, max_model_len, load_format, ...). `tensor_parallel_size=N`
+    runs the model on N rank processes that each hold a shard of every layer (`nnrun.tp`).
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, device: str = "cpu", dtype: Any = None,

@@ -8,6 +8,7 @@ import torch
 
 import nnrun
 from nnrun import LLM, SamplingParams
+from nnrun.tp import TensorParallelRunner
 
 pytestmark = pytest.mark.slow
 
@@ -132,6 +133,17 @@ def test_preemption_when_the_pool_runs_dry_changes_no_token(tp2, tp1):
     assert tp2.core.scheduler.num_preemptions > before
     assert ours == [o.outputs[0].token_ids for o in tp1.generate(prompts, params)]
     tp2.runner.allocator.check_no_leaks()
+
+
+def test_one_rank_through_the_wire_is_bitwise_the_plain_engine(tp1):
+    # The same model, batch and kernels on the other side of the pipe: nothing may change, not even a bit.
+    with LLM("tiny-facts", runner_cls=TensorParallelRunner) as one_rank:
+        assert one_rank.runner.group.world_size == 1
+        ours = one_rank.generate(PROMPTS, GREEDY)
+    theirs = tp1.generate(PROMPTS, GREEDY)
+    for a, b in zip(ours, theirs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert _logprob_values(a) == _logprob_values(b)
 
 
 def test_extraction_is_refused_by_name(tp2):
