@@ -28,8 +28,10 @@ def packed_layers(model: torch.nn.Module, device: torch.device) -> tuple[list[At
     """The attention layers the packed path would serve, or the reason it cannot serve this model."""
     try:
         layers = probe_attention_layers(model, device)
-    except Exception as error:  # any failure of the packed forward sends the model to the exact path
-        return [], f"{error}" if isinstance(error, ValueError) else f"the packed forward fails ({type(error).__name__}: {error})"
+    except ValueError as error:  # the probe's own refusal names the reason
+        return [], str(error)
+    except Exception as error:  # any other failure of the packed forward sends the model to the exact path too
+        return [], f"the packed forward fails ({type(error).__name__}: {error})"
     if not layers:
         return [], "no layer calls transformers' attention interface (its attention, if any, is the family's own code)"
     return layers, None
@@ -78,7 +80,8 @@ def _special_ids(model: torch.nn.Module) -> set[int]:
 
 def _shortest_window(runner: "ModelRunner") -> int | None:
     """The shortest sliding window or attention chunk, so a probe prompt can cross it."""
-    windows = [layer.sliding_window for layer in runner.layers if layer.sliding_window]
+    windows = [size for layer in runner.layers
+               for size in (layer.sliding_window, getattr(layer, "chunk_size", None)) if size]
     for config in (runner.model.config, getattr(runner.model.config, "text_config", None)):
         chunk = getattr(config, "attention_chunk_size", None) if config is not None else None
         if isinstance(chunk, int) and chunk > 0:
