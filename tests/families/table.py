@@ -43,7 +43,9 @@ tokens of each. What each outcome means:
 The probe runs at every engine start, for any model (not only these families): three short prompts
 packed in one step and then one decode step each, against the model's own HF forward of each
 prompt alone with HF's own cache, compared relative to the logits' magnitude (1e-3 in fp32, 2e-2
-in half precision). A model that differs never serves from the packed path. `LLM(...,
+in half precision). A model that differs never serves from the packed path. A sliding window or
+attention chunk of up to 64 tokens gets a probe prompt that crosses it; longer ones are not crossed
+by the probe (nnrun's own tests cover how the packed path applies them). `LLM(...,
 forward_path="exact")` (or `nnrun.LanguageModel(..., forward_path="exact")`) puts any model on the
 exact path.
 
