@@ -8,10 +8,11 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 
 from nnrun import LLM, SamplingParams
-from nnrun.tp import TensorParallelError
+from nnrun.tp import TensorParallelError, wire
 
 pytestmark = pytest.mark.slow
 
@@ -60,6 +61,20 @@ def test_a_killed_rank_fails_every_waiting_caller_and_shutdown_leaves_nothing():
     assert _port_is_closed(port)
 
 
+def test_a_rank_that_raises_reports_its_traceback_and_ends_the_group():
+    llm = LLM("tiny-facts", tensor_parallel_size=2, tensor_parallel_timeout=60)
+    try:
+        # A step header promising 5 tokens with no arrays behind it: every rank fails to read it.
+        malformed = np.array([wire.MessageKind.STEP, 0, 5, 1, 1, 1], dtype=np.int64).tobytes()
+        with pytest.raises(TensorParallelError, match=r"rank \d failed while running a step:\nTraceback"):
+            with llm.runner.step_lock:
+                llm.runner.group.run_step(memoryview(malformed))
+        with pytest.raises(TensorParallelError, match="group has stopped: tensor-parallel rank"):
+            llm.generate("Water boils at", SamplingParams(max_tokens=2))
+    finally:
+        assert llm.shutdown(timeout=30)
+
+
 # A decode step of one request, and a prefill of 75 x 120 tokens whose step message (about 220 KB)
 # is larger than the pipe's socket buffer: sending it to a rank that stopped reading would block.
 HUNG_STEPS = {"small": ["Water boils at"], "larger than the pipe buffer": [[5] * 120] * 75}
@@ -105,7 +120,9 @@ def test_ctrl_c_in_the_front_end_stops_every_rank(tmp_path):
         time.sleep(1.0)  # in the middle of generating
         os.killpg(front.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole foreground group
         front.wait(timeout=60)
-        assert "KeyboardInterrupt" in front.stderr.read()
+        stderr = front.stderr.read()
+        assert "KeyboardInterrupt" in stderr
+        assert "leaked" not in stderr  # no semaphore or shared-memory segment left to the resource tracker
         assert _wait_gone(pids, 15)
     finally:
         if front.poll() is None:
