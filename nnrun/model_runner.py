@@ -171,6 +171,7 @@ class ModelRunner:
         """The forwards a step's requests run in: one packed forward, or one per request on the exact path."""
         if self.exact_forward is None:
             return [reqs]
+        self.exact_forward.forget_released()  # preempted since the last step: their HF caches go with their pages
         return [[req] for req in reqs]
 
     def init_attention_backend(self) -> None:

@@ -33,6 +33,7 @@ CACHE_ARGUMENTS = {
 class RequestCache:
     """A request's HF cache and how many of its tokens it holds."""
 
+    request: Request
     value: Any
     num_tokens: int
 
@@ -134,12 +135,18 @@ class HFForward:
         if value is None:
             self.caches.pop(req.request_id, None)
         else:
-            self.caches[req.request_id] = RequestCache(value, num_tokens)
+            self.caches[req.request_id] = RequestCache(req, value, num_tokens)
 
     def forget(self, request_ids: list[str]) -> None:
         """Drop finished requests' caches."""
         for request_id in request_ids:
             self.caches.pop(request_id, None)
+
+    def forget_released(self) -> None:
+        """Drop the caches of requests the scheduler preempted (it released their pages: nothing is computed)."""
+        released = [rid for rid, cache in self.caches.items() if cache.request.num_computed_tokens < cache.num_tokens
+                    and not cache.request.page_ids]
+        self.forget(released)
 
 
 def own_attention(model: torch.nn.Module) -> str:

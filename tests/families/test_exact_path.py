@@ -109,9 +109,19 @@ def test_exact_path_preempts_and_resumes_requests_with_their_own_cache():
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     with nnrun.LLM(model, page_size=4, max_total_tokens=40, forward_path="exact") as llm:  # pages for two at once
         assert llm.runner.exact_forward is not None
+        hf_forward, scheduler = llm.runner.exact_forward, llm.core.scheduler
+        run, held_while_waiting = hf_forward.run, []
+
+        def watched_run(forward_batch):  # at each forward: HF caches of requests that are not running
+            running = {req.request_id for req in scheduler.running}
+            held_while_waiting.extend(rid for rid in hf_forward.caches if rid not in running)
+            return run(forward_batch)
+
+        hf_forward.run = watched_run
         assert tokens_of(llm.generate(PROMPTS, params)) == expected
-        assert llm.core.scheduler.num_preemptions > 0
-        assert llm.runner.exact_forward.caches == {}  # finished requests leave no HF cache behind
+        assert scheduler.num_preemptions > 0
+        assert held_while_waiting == []  # a preempted request's HF cache went with its pages
+        assert hf_forward.caches == {}  # finished requests leave no HF cache behind
 
 
 def test_exact_path_streams_and_isolates_concurrent_requests():
