@@ -59,8 +59,12 @@ class TensorParallelRunner(ModelRunner):
                              "checkpoint over ranks with it): pip install 'nnrun[tp]'")
         self.checkpoint = _resolve_path(model_config.model)
         self.model_name = model_config.model
-        hf_config = AutoConfig.from_pretrained(self.checkpoint, revision=model_config.revision,
-                                               trust_remote_code=model_config.trust_remote_code)
+        try:
+            hf_config = AutoConfig.from_pretrained(self.checkpoint, revision=model_config.revision,
+                                                   trust_remote_code=model_config.trust_remote_code)
+        except OSError as error:
+            raise ValueError(f"could not load model {model_config.model!r}: it is not a local checkpoint folder, "
+                             f"not a bundled model, and the HF hub did not provide it: {error}") from error
         check_model_supported(hf_config)
         self.dtype = self.config.device.torch_dtype
         with torch.device("meta"):

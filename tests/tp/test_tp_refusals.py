@@ -61,3 +61,8 @@ def test_commands_refuse_tensor_parallel_by_name(command, capsys):
 def test_devices_other_than_cpu_or_all_gpus_are_refused():
     with pytest.raises(ValueError, match="runs on device='cpu' or device='cuda'"):
         LLM("tiny-facts", tensor_parallel_size=2, device="mps")
+
+
+def test_a_checkpoint_that_does_not_exist_is_refused_before_any_rank_starts(tmp_path):
+    with pytest.raises(ValueError, match="could not load model .*not a local checkpoint folder"):
+        LLM(str(tmp_path / "missing"), tensor_parallel_size=2)
