@@ -142,6 +142,11 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         given.update({key: value for key, value in kwargs.items() if key not in ("dispatch", "meta_buffers")})
         revision = kwargs.get("revision")
         device, dtype, options, tokenizer_settings = engine_kwargs(model_or_path, device, dtype, kwargs)
+        if options.get("tensor_parallel_size", 1) != 1:
+            raise NotImplementedError(
+                f"LanguageModel(tensor_parallel_size={options['tensor_parallel_size']}): nnsight traces are not served "
+                "on tensor-parallel ranks yet (nnrun.LLM(..., tensor_parallel_size=N) serves generation); build the "
+                "model with tensor_parallel_size=1 to trace it")
         engine = LLM(model_or_path, tokenizer=tokenizer, device=device, dtype=dtype,
                      runner_cls=NNsightGPUModelRunner, **options)
         apply_tokenizer_settings(engine.tokenizer, tokenizer_settings)

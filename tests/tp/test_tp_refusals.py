@@ -48,8 +48,14 @@ def test_sources_without_a_checkpoint_are_refused():
 
 
 def test_interventions_are_refused_by_name():
-    with pytest.raises(NotImplementedError, match="nnrun.LanguageModel"):
+    with pytest.raises(NotImplementedError, match=r"LanguageModel\(tensor_parallel_size=2\): nnsight traces"):
         nnrun.LanguageModel("tiny-facts", tensor_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="VLLM.*tensor parallelism"):
+        nnrun.VLLM("tiny-facts", tensor_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="NNsightGPUModelRunner .*not served on tensor-parallel ranks"):
+        from interleaver.runner import NNsightGPUModelRunner
+
+        LLM("tiny-facts", tensor_parallel_size=2, runner_cls=NNsightGPUModelRunner)
 
 
 @pytest.mark.parametrize("command", [["serve", "tiny-facts"], ["extract", "--model", "tiny-facts", "--out", "x"]])
