@@ -111,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
     server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=args.log_level,
         http=limited_protocol(config.max_header_bytes, config.header_timeout_s, config.max_connections),
+        h11_max_incomplete_event_size=config.max_header_bytes,  # only read if h11 runs (no httptools)
         timeout_graceful_shutdown=config.drain_timeout_s,
         proxy_headers=False,  # nothing here reads the client's address; skip rewriting it per request
     ), drain)

@@ -12,7 +12,9 @@ uvicorn's httptools protocol with three checks per connection, answers before an
 - a connection past `max_connections` open at once is closed as it opens.
 
 Bytes are counted as they arrive, before the parser buffers them, so what one connection can
-make the server hold is `max_header_bytes` plus one read (at most 256 KiB).
+make the server hold is `max_header_bytes` plus one read (at most 256 KiB). Without httptools
+installed, uvicorn's h11 protocol runs instead, with h11's own header size limit (set by the
+caller) but neither the header timeout nor the connection cap; the server says so as it starts.
 """
 
 from __future__ import annotations
@@ -21,19 +23,26 @@ import asyncio
 import logging
 from typing import Any
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:  # httptools is not installed: `limited_protocol` falls back to h11
+    HttpToolsProtocol = None
 
 logger = logging.getLogger("nnrun.serve")
 
 
-def limited_protocol(max_header_bytes: int, header_timeout_s: float, max_connections: int) -> type:
-    """uvicorn's httptools protocol with these limits (pass it as `uvicorn.Config(http=...)`)."""
+def limited_protocol(max_header_bytes: int, header_timeout_s: float, max_connections: int) -> type | str:
+    """uvicorn's httptools protocol with these limits (pass it as `uvicorn.Config(http=...)`), or "h11" without it."""
+    if HttpToolsProtocol is None:
+        logger.warning("httptools is not installed: serving with h11, whose header size limit applies, but without "
+                       "--header-timeout or --max-connections (pip install httptools)")
+        return "h11"
     return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {
         "max_header_bytes": max_header_bytes, "header_timeout_s": header_timeout_s,
         "max_connections": max_connections})
 
 
-class LimitedHttpToolsProtocol(HttpToolsProtocol):
+class LimitedHttpToolsProtocol(HttpToolsProtocol or object):  # object: never made without httptools
     """One connection: uvicorn's httptools protocol, with header size and time bounded (see the module doc)."""
 
     max_header_bytes = 64 * 2**10
