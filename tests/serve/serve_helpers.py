@@ -133,7 +133,8 @@ def read_until_closed(sock: socket.socket, timeout: float) -> bytes:
     except ConnectionResetError:
         pass
     except socket.timeout:
-        raise AssertionError(f"the server did not close the connection within {timeout} s; it sent {received[:200]!r}")
+        raise AssertionError(f"the server did not close the connection within {timeout} s; it sent "
+                             f"{received[:200]!r}") from None
     return received
 
 

@@ -41,7 +41,7 @@ def finish(process: subprocess.Popen, deadline: float) -> str:
     except subprocess.TimeoutExpired:
         process.kill()
         output, _ = process.communicate(timeout=15)
-        raise AssertionError(f"a client did not finish within the soak's {SOAK_LIMIT_S} s:\n{output}")
+        raise AssertionError(f"a client did not finish within the soak's {SOAK_LIMIT_S} s:\n{output}") from None
     assert process.returncode == 0, output
     return output
 
