@@ -78,7 +78,7 @@ def test_slowloris_connections_are_closed_after_the_header_timeout(limited):
         for sock in socks:
             sock.close()
     assert len(closed_after) == len(socks), f"{len(socks) - len(closed_after)} open after {HEADER_TIMEOUT_S + 6} s"
-    assert all(HEADER_TIMEOUT_S - 0.5 < took < HEADER_TIMEOUT_S + 2 for took in closed_after.values()), closed_after
+    assert all(HEADER_TIMEOUT_S - 0.5 < took < HEADER_TIMEOUT_S + 3 for took in closed_after.values()), closed_after
     assert all(answer.startswith(b"HTTP/1.1 408") for answer in answers.values()), answers
 
 
