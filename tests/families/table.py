@@ -45,7 +45,11 @@ packed in one step and then one decode step each, against the model's own HF for
 prompt alone with HF's own cache, compared relative to the logits' magnitude (1e-3 in fp32, 2e-2
 in half precision). A model that differs never serves from the packed path. A sliding window or
 attention chunk of up to 64 tokens gets a probe prompt that crosses it; longer ones are not crossed
-by the probe (nnrun's own tests cover how the packed path applies them). `LLM(...,
+by the probe (nnrun's own tests cover how the packed path applies them). In half precision the probe
+cannot tell a difference under 2% of the logits' magnitude from rounding: on a tiny random Llama
+that ignores its position ids, the wrong decode positions moved bf16 logits by 1.2% and the probe
+let it through, while in fp32 (the default on CPU) it resolves 0.1% and sends that model to the
+exact path; on GPU the half-precision tolerance is untested. `LLM(...,
 forward_path="exact")` (or `nnrun.LanguageModel(..., forward_path="exact")`) puts any model on the
 exact path.
 
