@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import uuid
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from urllib.parse import quote
@@ -221,9 +222,13 @@ class EditRegistration:
         return self.status()["error"]
 
     def clear(self) -> None:
+        """Take the edit off the server; warns if the server had already taken it off (and says why)."""
         if not self.cleared:
-            self.model._post(f"/v1/nnsight/register/{quote(self.id, safe='')}/clear", b"")
+            answer = json.loads(self.model._post(f"/v1/nnsight/register/{quote(self.id, safe='')}/clear", b""))
             self.cleared = True
+            if answer.get("error"):
+                warnings.warn(f"the server had already taken this edit off: {answer['error']}", RuntimeWarning,
+                              stacklevel=2)
 
     def __repr__(self) -> str:
         state = "cleared" if self.cleared else "active"

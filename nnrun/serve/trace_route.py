@@ -160,10 +160,11 @@ async def registration_status(registration_id: str, request: Request) -> dict:
 
 @router.post("/v1/nnsight/register/{registration_id}/clear")
 async def clear_registration(registration_id: str, request: Request) -> dict:
-    """Stop running one installed block (clearing an unknown id is a no-op)."""
-    state = request.app.state.serve
-    state.ready_model().registry.clear(registration_id)
-    return {"status": "ok", "id": registration_id}
+    """Stop running one installed block (clearing an unknown id is a no-op); "error" says if it had failed."""
+    registry = request.app.state.serve.ready_model().registry
+    error = registry.status(registration_id)["error"]
+    registry.clear(registration_id)
+    return {"status": "ok", "id": registration_id, "error": error}
 
 
 @router.post("/v1/nnsight/clear")

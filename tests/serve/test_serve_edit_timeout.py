@@ -63,6 +63,8 @@ def test_a_looping_edit_on_completions_is_ended_reported_and_the_engine_serves_a
 
         status = edit.status()
         assert status["status"] == "failed" and "without reaching the model" in status["error"]
+        with pytest.warns(RuntimeWarning, match="already taken this edit off: the registered edit 'spin'"):
+            edit.clear()
         stats = wait_idle(server)
         assert [failure["name"] for failure in stats["edits_failed"]] == ["spin"]
         assert stats["edits_installed"] == 0
