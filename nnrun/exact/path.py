@@ -50,7 +50,8 @@ def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFF
             "or other non-causal head); nnrun runs causal language models (AutoModelForCausalLM's classes)")
     hf = HFForward(model, runner.device)
     max_len = min(runner.max_model_len, runner.req_to_token_pool.max_context_len)
-    lengths = probe_lengths(_shortest_window(runner), max_len, runner.max_total_tokens, runner.allocator.page_size)
+    lengths = probe_lengths(_shortest_window(runner), max_len, runner.max_total_tokens, runner.allocator.page_size,
+                            runner.req_to_token_pool.num_free_rows)
     prompts = probe_prompts(model.get_input_embeddings().num_embeddings, _special_ids(model), lengths)
     with attention_implementation(model, own_attention(model)):
         references = hf_references(hf, prompts, family)

@@ -62,13 +62,15 @@ def differs(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> float 
     return error if not error <= rtol else None  # a NaN counts as differing
 
 
-def probe_lengths(window: int | None, max_len: int, num_slots: int, page_size: int) -> list[int]:
+def probe_lengths(window: int | None, max_len: int, num_slots: int, page_size: int,
+                  max_prompts: int = len(PROBE_LENGTHS)) -> list[int]:
     """The probe prompts' lengths: one crosses a short window if there is one; all fit the context and the KV pool.
 
-    Each prompt needs room for its decode token; prompts are dropped from the end, then shortened,
-    until they fit `num_slots` KV slots of `page_size`-token pages.
+    Each prompt needs room for its decode token; prompts are dropped from the end (to `max_prompts`,
+    the request rows there are, and further), then shortened, until they fit `num_slots` KV slots of
+    `page_size`-token pages.
     """
-    lengths = list(PROBE_LENGTHS)
+    lengths = list(PROBE_LENGTHS)[: max(1, max_prompts)]
     if window is not None and window + 2 <= MAX_WINDOW_PROBED:
         lengths[1] = max(lengths[1], window + 2)
     lengths = [max(1, min(n, max_len - 1)) for n in lengths]

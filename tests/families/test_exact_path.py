@@ -225,10 +225,12 @@ def test_probe_prompts_fit_the_context_and_the_kv_pool():
     assert probe_lengths(None, max_len=8, num_slots=1024, page_size=16) == [5, 7, 3]  # room for the decode token
     assert probe_lengths(None, max_len=256, num_slots=32, page_size=16) == [5, 11]
     assert probe_lengths(None, max_len=256, num_slots=4, page_size=4) == [3]
+    assert probe_lengths(None, max_len=256, num_slots=1024, page_size=16, max_prompts=2) == [5, 11]
 
 
-def test_a_small_context_and_pool_keep_an_exact_model_on_the_packed_path():
-    with nnrun.LLM(tiny_llama(), max_model_len=6, page_size=4, max_total_tokens=8) as llm:
+@pytest.mark.parametrize("limits", [dict(max_model_len=6, page_size=4, max_total_tokens=8), dict(max_num_seqs=1)])
+def test_small_engine_limits_keep_an_exact_model_on_the_packed_path(limits):
+    with nnrun.LLM(tiny_llama(), **limits) as llm:
         assert llm.runner.exact_forward is None
 
 
