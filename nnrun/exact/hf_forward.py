@@ -19,14 +19,8 @@ import torch
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.request import Request
 
-# The output field that holds a model's cache -> the forward argument that takes it back.
-CACHE_ARGUMENTS = {
-    "past_key_values": "past_key_values",
-    "cache_params": "cache_params",
-    "state": "state",
-    "mems": "mems",
-    "past_buckets_states": "past_buckets_states",
-}
+# Where HF models return their cache; each takes it back through the forward argument of the same name.
+CACHE_ARGUMENTS = ("past_key_values", "cache_params", "state", "mems", "past_buckets_states")
 
 
 @dataclass
@@ -118,8 +112,8 @@ class HFForward:
         return output
 
     def _learn_cache_argument(self, output: Any) -> None:
-        for field_name, argument in CACHE_ARGUMENTS.items():
-            if getattr(output, field_name, None) is not None and argument in self._takes:
+        for argument in CACHE_ARGUMENTS:
+            if getattr(output, argument, None) is not None and argument in self._takes:
                 self.cache_argument = argument
                 return
         self.keeps_cache = False  # HF returned no cache it can take back: every step runs the whole sequence
@@ -128,7 +122,7 @@ class HFForward:
         """The HF cache a forward returned, to pass back on the next one; None if the model keeps none."""
         if not self.keeps_cache or self.cache_argument is None:
             return None
-        return getattr(output, _field_of(self.cache_argument), None)
+        return getattr(output, self.cache_argument, None)
 
     def _keep_cache(self, req: Request, output: Any, num_tokens: int) -> None:
         value = self.cache_in(output)
@@ -171,7 +165,3 @@ def attention_implementation(model: torch.nn.Module, implementation: str) -> Ite
 def set_attention(model: torch.nn.Module, implementation: str) -> None:
     if model.config._attn_implementation != implementation and type(model)._can_set_attn_implementation():
         model.set_attn_implementation(implementation)
-
-
-def _field_of(argument: str | None) -> str:
-    return next((field for field, arg in CACHE_ARGUMENTS.items() if arg == argument), "past_key_values")
