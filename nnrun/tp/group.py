@@ -90,7 +90,7 @@ class RankGroup:
 
     # ---- steps -------------------------------------------------------------------------------
     def run_step(self, message: memoryview) -> torch.Tensor:
-        """Send one step to every rank; returns rank 0's logits `[R, V]` (on the CPU)."""
+        """Send one step to every rank; returns rank 0's answer on the CPU: logits `[R, V]` or token ids `[R]`."""
         self._send_all(message)
         deadline = time.monotonic() + self.step_timeout_s
         while True:
@@ -102,7 +102,7 @@ class RankGroup:
                 header = self._recv(0, "running a step")
                 if wire.message_kind(header) is wire.MessageKind.ERROR:
                     self._fail_with_report(header, "running a step")
-                return wire.decode_logits(header, bytearray(self._recv(0, "sending its logits")))
+                return wire.decode_tensor(header, bytearray(self._recv(0, "sending its answer")))
 
     def start_profile(self) -> None:
         """Start timing the ranks' collectives (between steps: the caller holds the runner's step lock)."""

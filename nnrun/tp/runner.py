@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
@@ -20,6 +21,7 @@ from nnrun.forward_batch import ForwardBatch
 from nnrun.loader import _load_tokenizer, _resolve_path, check_model_supported
 from nnrun.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from nnrun.model_runner import LogitsProcessorOutput, ModelRunner
+from nnrun.sampler import SamplerOutput
 from nnrun.tp import wire
 from nnrun.tp.group import RankGroup
 from nnrun.tp.plan import check_tensor_parallel_plan
@@ -32,6 +34,7 @@ class TensorParallelRunner(ModelRunner):
         super().__init__(config)
         self.device = torch.device("cpu")  # the front end samples on the CPU; the ranks own the devices
         self.group: RankGroup | None = None
+        self.num_steps_sampled_on_rank0 = 0  # steps whose tokens came back as argmaxes, without their logits
 
     def initialize(self) -> None:
         self.load_model()
@@ -86,8 +89,18 @@ class TensorParallelRunner(ModelRunner):
         )
 
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        logits = self.group.run_step(wire.encode_step(forward_batch, self.allocator.page_size))  # [R, V]
+        page_size = self.allocator.page_size
+        if _is_plain_greedy_step(forward_batch):  # only argmaxes cross, not R x V logits
+            token_ids = self.group.run_step(wire.encode_step(forward_batch, page_size, wire.StepReply.ARGMAX))  # [B]
+            self.num_steps_sampled_on_rank0 += 1
+            return RankSampledOutput(next_token_logits=torch.empty((len(token_ids), 0)), token_ids=token_ids)
+        logits = self.group.run_step(wire.encode_step(forward_batch, page_size))  # [R, V]
         return self.process_logits(logits, forward_batch)
+
+    def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> SamplerOutput:
+        if isinstance(logits_output, RankSampledOutput):
+            return SamplerOutput(logits_output.token_ids, None, None, None)
+        return super().sample(logits_output, forward_batch)
 
     def run_model(self, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.group.run_step(wire.encode_step(forward_batch, self.allocator.page_size))
@@ -118,6 +131,30 @@ class TensorParallelRunner(ModelRunner):
         super().shutdown()
         if self.group is not None:
             self.group.stop()
+
+
+@dataclass
+class RankSampledOutput(LogitsProcessorOutput):
+    """A step whose tokens rank 0 picked (the argmax of each row); no logits crossed."""
+
+    token_ids: torch.Tensor | None = None  # [B] int64
+
+
+def _is_plain_greedy_step(forward_batch: ForwardBatch) -> bool:
+    """Every row's token is the argmax of its float32 logits, and nothing else is asked of them.
+
+    Greedy, no penalties, no logprobs of either kind, past `min_tokens` (so no stop token is
+    masked): the front end's sampler would return `logits.float().argmax(-1)`, which rank 0
+    computes over the same values instead.
+    """
+    if len(forward_batch.logits_indices) != forward_batch.batch_size:
+        return False
+    for req in forward_batch.reqs:
+        params = req.sampling_params
+        if not params.is_greedy or params.has_penalties or params.logprobs is not None \
+                or params.prompt_logprobs is not None or len(req.output_token_ids) < params.min_tokens:
+            return False
+    return True
 
 
 def _refuse_sources_without_checkpoint(source: Any, load_format: str, tp_size: int) -> None:

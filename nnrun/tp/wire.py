@@ -23,6 +23,7 @@ class MessageKind(enum.IntEnum):
     STEP = 1  # front end -> every rank: run this step
     STOP = 2  # front end -> every rank: leave the loop and exit
     LOGITS = 3  # rank 0 -> front end: the step's logits rows
+    TOKEN_IDS = 9  # rank 0 -> front end: each row's argmax (a step of plain greedy rows only)
     ERROR = 4  # any rank -> front end: a traceback; that rank exits after sending it
     READY = 5  # every rank -> front end, once loaded: rank 0 adds what the front end must mirror
     PROFILE_START = 6  # front end -> every rank: time collectives from now on
@@ -30,12 +31,19 @@ class MessageKind(enum.IntEnum):
     STATS = 8  # rank 0 -> front end: the window's wall time and collective time
 
 
+class StepReply(enum.IntEnum):
+    """What rank 0 sends back for a step."""
+
+    LOGITS = 0  # the logits rows: the front end's sampler decides
+    ARGMAX = 1  # each row's argmax: every row is greedy with nothing else asked of its logits
+
+
 _MODE_CODES = {ForwardMode.EXTEND: 0, ForwardMode.DECODE: 1}
 _MODES = {code: mode for mode, code in _MODE_CODES.items()}
-_HEADER_LEN = 6  # kind, mode, num_tokens, batch_size, num_logits_rows, max_pages
+_HEADER_LEN = 7  # kind, mode, num_tokens, batch_size, num_logits_rows, max_pages, reply
 
 
-def encode_step(forward_batch: ForwardBatch, page_size: int) -> memoryview:
+def encode_step(forward_batch: ForwardBatch, page_size: int, reply: StepReply = StepReply.LOGITS) -> memoryview:
     """The step as one int64 buffer: a header, then the arrays in a fixed order."""
     reqs = forward_batch.reqs
     seq_lens = forward_batch.seq_lens
@@ -47,7 +55,7 @@ def encode_step(forward_batch: ForwardBatch, page_size: int) -> memoryview:
     wants_probs = np.zeros(len(reqs), dtype=np.int64)  # [B]
     wants_probs[forward_batch.attention_probs_rows] = 1
     header = np.array([MessageKind.STEP, _MODE_CODES[forward_batch.forward_mode], forward_batch.num_tokens,
-                       len(reqs), len(forward_batch.logits_indices), max_pages], dtype=np.int64)
+                       len(reqs), len(forward_batch.logits_indices), max_pages, reply], dtype=np.int64)
     buffer = np.concatenate([
         header,
         forward_batch.input_ids.numpy(), forward_batch.positions.numpy(), forward_batch.out_cache_loc.numpy(),
@@ -66,6 +74,10 @@ def message_kind(message: bytes) -> MessageKind:
     return MessageKind(int(np.frombuffer(message, dtype=np.int64, count=1)[0]))
 
 
+def step_reply(message: bytes) -> StepReply:
+    return StepReply(int(np.frombuffer(message, dtype=np.int64, count=_HEADER_LEN)[-1]))
+
+
 @dataclass
 class ShippedRequest:
     """What a rank knows of a request: its KV pages, and whether it asked for attention probabilities."""
@@ -77,7 +89,7 @@ class ShippedRequest:
 def decode_step(message: bytes, page_size: int) -> ForwardBatch:
     """The `ForwardBatch` the front end built, rebuilt from `encode_step`'s buffer."""
     values = torch.frombuffer(bytearray(message), dtype=torch.int64)  # a private copy the batch may keep
-    _, mode, num_tokens, batch_size, num_rows, max_pages = values[:_HEADER_LEN].tolist()
+    _, mode, num_tokens, batch_size, num_rows, max_pages, _ = values[:_HEADER_LEN].tolist()
     sizes = [num_tokens, num_tokens, num_tokens, batch_size, batch_size, batch_size, batch_size * max_pages, num_rows]
     (input_ids, positions, out_cache_loc, prefix_lens, extend_lens, wants_probs, pages,
      logits_indices) = values[_HEADER_LEN:].split(sizes)
@@ -109,23 +121,24 @@ def decode_step(message: bytes, page_size: int) -> ForwardBatch:
     )
 
 
-# Logits travel as their raw bytes behind a small header: kind, dtype code, rows, columns.
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Logits and token ids travel as their raw bytes behind a small header: kind, dtype code, shape.
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64]
 
 
-def encode_logits(logits: torch.Tensor) -> list[memoryview | bytes]:
-    """[R, V] logits as (header, payload) for `send_bytes`; the payload is a view, not a copy."""
-    logits = logits.detach().to("cpu").contiguous()
-    header = np.array([MessageKind.LOGITS, _DTYPES.index(logits.dtype), *logits.shape], dtype=np.int64)
-    return [header.tobytes(), memoryview(logits.view(torch.uint8).numpy()).cast("B")]
+def encode_tensor(kind: MessageKind, tensor: torch.Tensor) -> list[memoryview | bytes]:
+    """LOGITS `[R, V]` or TOKEN_IDS `[R]` as (header, payload) for `send_bytes`; the payload is a view, not a copy."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    shape = list(tensor.shape) + [1] * (2 - tensor.dim())
+    header = np.array([kind, _DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=np.int64)
+    return [header.tobytes(), memoryview(tensor.reshape(-1).view(torch.uint8).numpy())]
 
 
-def decode_logits(header: bytes, payload: bytearray) -> torch.Tensor:
-    _, dtype_code, num_rows, vocab = np.frombuffer(header, dtype=np.int64).tolist()
-    dtype = _DTYPES[dtype_code]
-    if num_rows * vocab == 0:
-        return torch.empty((num_rows, vocab), dtype=dtype)
-    return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(num_rows, vocab)  # [R, V]
+def decode_tensor(header: bytes, payload: bytearray) -> torch.Tensor:
+    _, dtype_code, ndim, *shape = np.frombuffer(header, dtype=np.int64).tolist()
+    dtype, shape = _DTYPES[dtype_code], shape[:ndim]
+    if not payload:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(payload, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def encode_report(kind: MessageKind, report: dict) -> bytes:

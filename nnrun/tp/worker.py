@@ -146,9 +146,14 @@ def _serve_steps(runner: ShardRunner, conn: Connection, rank: int) -> None:
             continue
         forward_batch = wire.decode_step(message, page_size)
         logits = runner.run_model(forward_batch)  # [R, V], every rank
-        if rank == 0:
-            for part in wire.encode_logits(logits):
-                conn.send_bytes(part)
+        if rank != 0:
+            continue
+        if wire.step_reply(message) is wire.StepReply.ARGMAX:  # as the front end's sampler picks a greedy row
+            reply = wire.encode_tensor(wire.MessageKind.TOKEN_IDS, logits.float().argmax(dim=-1))  # [R]
+        else:
+            reply = wire.encode_tensor(wire.MessageKind.LOGITS, logits)
+        for part in reply:
+            conn.send_bytes(part)
 
 
 def _report(conn: Connection, rank: int, text: str) -> None:

@@ -63,6 +63,16 @@ def test_greedy_tokens_match_one_rank_and_logprobs_agree(tp2, tp1):
                                    rtol=RTOL, atol=ATOL)
 
 
+def test_plain_greedy_steps_bring_back_argmaxes_and_the_same_tokens(tp2, tp1):
+    plain = SamplingParams(max_tokens=12, temperature=0.0, min_tokens=3)  # logits cross for the first 3 tokens only
+    before = tp2.runner.num_steps_sampled_on_rank0
+    ours = [o.outputs[0].token_ids for o in tp2.generate(PROMPTS, plain)]
+    assert tp2.runner.num_steps_sampled_on_rank0 > before
+    assert ours == [o.outputs[0].token_ids for o in tp1.generate(PROMPTS, plain)]
+    with_logits = SamplingParams(max_tokens=12, temperature=0.0, min_tokens=3, logprobs=0)  # every step's logits cross
+    assert ours == [o.outputs[0].token_ids for o in tp2.generate(PROMPTS, with_logits)]
+
+
 def test_prompt_logprobs_match_plain_hf(tp2):
     from transformers import AutoModelForCausalLM
 

@@ -62,11 +62,20 @@ def test_a_decode_step_is_rebuilt_exactly():
     assert torch.equal(rebuilt.kv_slot_table[within], batch.kv_slot_table[within])
 
 
-def test_logits_and_errors_round_trip():
+def test_answers_and_errors_round_trip():
     logits = torch.randn(3, 11)
-    header, payload = wire.encode_logits(logits)
-    assert torch.equal(wire.decode_logits(header, bytearray(payload)), logits)
-    for dtype in (torch.bfloat16, torch.float16):
-        header, payload = wire.encode_logits(logits.to(dtype))
-        assert torch.equal(wire.decode_logits(header, bytearray(payload)), logits.to(dtype))
+    for kind, tensor in [(wire.MessageKind.LOGITS, logits), (wire.MessageKind.LOGITS, logits.to(torch.bfloat16)),
+                         (wire.MessageKind.LOGITS, logits.to(torch.float16)),
+                         (wire.MessageKind.TOKEN_IDS, logits.argmax(-1)), (wire.MessageKind.LOGITS, logits[:0])]:
+        header, payload = wire.encode_tensor(kind, tensor)
+        assert wire.message_kind(header) is kind
+        decoded = wire.decode_tensor(header, bytearray(payload))
+        assert decoded.dtype == tensor.dtype and torch.equal(decoded, tensor)
     assert wire.decode_error(wire.encode_error(1, "Traceback: boom")) == (1, "Traceback: boom")
+
+
+def test_the_step_says_what_rank_0_answers():
+    reqs, table = _requests([5])
+    batch = packed_forward_batch(reqs, ForwardMode.EXTEND, table.req_to_token, PAGE_SIZE, [False])
+    for reply in wire.StepReply:
+        assert wire.step_reply(bytes(wire.encode_step(batch, PAGE_SIZE, reply))) is reply
