@@ -14,6 +14,7 @@ Server side, one job per file:
   registration   registered edits: a block run for every request
   openai_routes  /v1/models, /v1/completions, /v1/chat/completions (SSE streaming)
   openai_protocol  the OpenAI request bodies: each field served or refused by name
+  openai_logprobs  log-probabilities in OpenAI's completion and chat shapes
   wire           the bytes both sides exchange: headers, results, deferred errors
 Client side:
   client         RemoteLanguageModel (`nnrun.LanguageModel(name, serve=url)`), its tracer and backend

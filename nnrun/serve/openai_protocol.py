@@ -5,7 +5,7 @@ wrong types (`stream="yes"`), out-of-range values (`max_tokens=0`) and fields wh
 is not served (`echo`, `logprobs`, `best_of` above 1, tools) are answered 400 naming the field.
 Fields that do not change the answer (`user`, `metadata`, `store`, `service_tier`) are accepted.
 vLLM's extra sampling fields (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `repetition_penalty`,
-`stop_token_ids`) are served with vLLM's meaning.
+`stop_token_ids`) are served with vLLM's meaning, and `logprobs` as OpenAI has it (`openai_logprobs`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 PositiveTokens = Annotated[StrictInt, Field(ge=1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+NumLogprobs = Annotated[StrictInt, Field(ge=0, le=20)]  # vLLM's default ceiling (OpenAI's: 5 and 20)
 
 
 class StreamOptions(BaseModel):
@@ -53,11 +54,16 @@ class SamplingFields(BaseModel):
     # Fields whose OpenAI meaning this server does not serve: refused unless left at what does nothing.
     unserved: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
+    def num_logprobs(self) -> int | None:
+        """How many most likely tokens to answer per generated token (None: no logprobs)."""
+        return None
+
     def sampling_kwargs(self) -> dict[str, Any]:
         """The `SamplingParams` keywords these fields set (max_tokens apart: each route has its default)."""
-        return {name: getattr(self, name) for name in (
+        kwargs = {name: getattr(self, name) for name in (
             "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
             "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids")}
+        return {**kwargs, "logprobs": self.num_logprobs()}
 
     def refuse_unserved(self) -> None:
         """400 naming the first field set to something this server would not honour."""
@@ -79,10 +85,12 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
-    logprobs: StrictInt | None = None
+    logprobs: NumLogprobs | None = None
 
-    unserved: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "echo": (False,), "suffix": (None,), "best_of": (None, 1), "logprobs": (None,)}
+    unserved: ClassVar[dict[str, tuple[Any, ...]]] = {"echo": (False,), "suffix": (None,), "best_of": (None, 1)}
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -113,7 +121,7 @@ class ChatRequest(SamplingFields):
     max_tokens: PositiveTokens | None = None
     max_completion_tokens: PositiveTokens | None = None
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: NumLogprobs | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -127,11 +135,16 @@ class ChatRequest(SamplingFields):
     modalities: list[StrictStr] | None = None
 
     unserved: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "logprobs": (None, False), "top_logprobs": (None,), "tools": (None,), "tool_choice": (None,),
+        "tools": (None,), "tool_choice": (None,),
         "functions": (None,), "function_call": (None,), "reasoning_effort": (None,), "modalities": (None, ["text"])}
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def refuse_unserved(self) -> None:
         super().refuse_unserved()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _refused("top_logprobs", self.top_logprobs, "it needs logprobs=true")
         if self.response_format not in (None, {"type": "text"}):
             raise _refused("response_format", self.response_format, "only plain text is served")
 

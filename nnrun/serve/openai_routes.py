@@ -23,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from nnrun.outputs import RequestOutput
 from nnrun.sampling_params import SamplingParams
 from nnrun.serve.app import DISCONNECT_POLL_S
+from nnrun.serve.openai_logprobs import chat_logprobs, completion_logprobs
 from nnrun.serve.openai_protocol import ChatRequest, CompletionRequest, SamplingFields
 
 router = APIRouter()
@@ -64,16 +65,17 @@ async def _complete(request: Request, body: SamplingFields, prompt: Any, max_tok
         raise HTTPException(status_code=400, detail=str(error)) from None
     meta = {"id": handle.request_id, "created": int(time.time()), "model": body.model}
     deadline = time.monotonic() + state.config.request_timeout_s
+    answer = _Answer(meta, chat, model.tokenizer, body.num_logprobs())
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_stream(state, handle, meta, chat, deadline, include_usage),
+        return StreamingResponse(_stream(state, handle, answer, deadline, include_usage),
                                  media_type="text/event-stream")
     last = None
     async for last in _outputs(state, handle, deadline, request):
         pass
     if last is None or not last.finished:
         return Response(status_code=499)  # the client left: nobody reads this
-    return _response(meta, last, chat)
+    return answer.response(last)
 
 
 async def _outputs(state: Any, handle: Any, deadline: float, request: Request | None = None
@@ -128,17 +130,17 @@ def _request_error(state: Any, handle: Any, error: BaseException) -> HTTPExcepti
     return HTTPException(status_code=500, detail=f"the request failed: {type(error).__name__}: {error}")
 
 
-async def _stream(state: Any, handle: Any, meta: dict, chat: bool, deadline: float,
+async def _stream(state: Any, handle: Any, answer: "_Answer", deadline: float,
                   include_usage: bool = False) -> AsyncIterator[str]:
     """Server-sent events: one chunk per new piece of text, then the finish reason, then [DONE].
 
     A stream that cannot finish (an edit failed, a deadline passed, the server is draining) ends
-    with an error event before [DONE], never cut short without a word.
+    with an error event before [DONE], never cut short without a word. With logprobs, each chunk
+    carries those of the tokens it is the first to show.
     """
-    sent = ""
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    if chat:
-        yield _event(meta, kind, {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None})
+    sent, num_tokens_sent = "", 0
+    if answer.chat:
+        yield answer.event({"index": 0, "delta": {"role": "assistant"}, "finish_reason": None})
     try:
         async for output in _outputs(state, handle, deadline):
             completion = output.outputs[0]
@@ -146,29 +148,53 @@ async def _stream(state: Any, handle: Any, meta: dict, chat: bool, deadline: flo
             delta, sent = (text[len(sent):], text) if text.startswith(sent) else ("", sent)
             reason = completion.finish_reason if output.finished else None
             if delta or reason:
-                piece = {"delta": {"content": delta}} if chat else {"text": delta}
-                yield _event(meta, kind, {"index": 0, **piece, "finish_reason": reason})
+                piece = {"delta": {"content": delta}} if answer.chat else {"text": delta}
+                logprobs = answer.logprobs(completion, num_tokens_sent, len(sent) - len(delta))
+                num_tokens_sent = len(completion.token_ids)
+                yield answer.event({"index": 0, **piece, "finish_reason": reason, **logprobs})
             if output.finished and include_usage:
-                yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [], 'usage': _usage(output)})}\n\n"
+                yield answer.event(None, usage=_usage(output))
     except Exception as error:
         detail = error.detail if isinstance(error, HTTPException) else f"{type(error).__name__}: {error}"
         yield f"data: {json.dumps({'error': {'message': detail}})}\n\n"
     yield "data: [DONE]\n\n"
 
 
-def _event(meta: dict, kind: str, choice: dict) -> str:
-    return f"data: {json.dumps({**meta, 'object': kind, 'choices': [choice]})}\n\n"
+class _Answer:
+    """How one completion is answered: its id and model, chat or text, and its logprobs if asked for."""
 
+    def __init__(self, meta: dict, chat: bool, tokenizer: Any, num_logprobs: int | None) -> None:
+        self.meta = meta
+        self.chat = chat
+        self.tokenizer = tokenizer
+        self.num_logprobs = num_logprobs
+        self.chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
-def _response(meta: dict, output: RequestOutput, chat: bool) -> dict:
-    completion = output.outputs[0]
-    reason = completion.finish_reason
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": completion.text}, "finish_reason": reason}
-    else:
-        choice = {"index": 0, "text": completion.text, "finish_reason": reason, "logprobs": None}
-    return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-            "usage": _usage(output)}
+    def event(self, choice: dict | None, **extra: Any) -> str:
+        """One SSE chunk: a choice, or (None) none, as the last chunk carrying the usage has it."""
+        choices = [choice] if choice is not None else []
+        return f"data: {json.dumps({**self.meta, 'object': self.chunk_kind, 'choices': choices, **extra})}\n\n"
+
+    def logprobs(self, completion: Any, first_token: int = 0, text_offset: int = 0) -> dict:
+        """`{"logprobs": ...}` for the completion's tokens from `first_token` on, or {} (chat: not asked for)."""
+        if self.num_logprobs is None:
+            return {} if self.chat else {"logprobs": None}
+        token_ids, entries = completion.token_ids[first_token:], completion.logprobs[first_token:]
+        if self.chat:
+            return {"logprobs": chat_logprobs(self.tokenizer, token_ids, entries, self.num_logprobs)}
+        return {"logprobs": completion_logprobs(self.tokenizer, token_ids, entries, text_offset)}
+
+    def response(self, output: RequestOutput) -> dict:
+        completion = output.outputs[0]
+        reason = completion.finish_reason
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
+                      "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": completion.text, "finish_reason": reason}
+        choice.update(self.logprobs(completion))
+        return {**self.meta, "object": "chat.completion" if self.chat else "text_completion", "choices": [choice],
+                "usage": _usage(output)}
 
 
 def _usage(output: RequestOutput) -> dict[str, int]:

@@ -10,6 +10,7 @@ import json
 
 import httpx
 import pytest
+import torch
 
 import nnrun
 from serve_helpers import API_KEY
@@ -29,8 +30,8 @@ REFUSED_COMPLETIONS = [
     ({"stream": "yes"}, "stream"),
     ({"stream": 1}, "stream"),
     ({"best_of": 2}, "best_of"),
-    ({"logprobs": 0}, "logprobs"),
-    ({"logprobs": 3}, "logprobs"),
+    ({"logprobs": 21}, "logprobs"),
+    ({"logprobs": True}, "logprobs"),
     ({"suffix": "!"}, "suffix"),
     ({"n": 2}, "n"),
     ({"logit_bias": {"50": 100}}, "logit_bias"),
@@ -44,8 +45,9 @@ REFUSED_COMPLETIONS = [
     ({"model": 7}, "model"),
 ]
 REFUSED_CHAT = [
-    ({"logprobs": True}, "logprobs"),
+    ({"logprobs": 1}, "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
@@ -102,3 +104,44 @@ def test_served_fields_mean_what_they_mean_locally(server, local_model):
     parts = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}]}
     assert post(server, "/v1/chat/completions", parts).json()["choices"][0]["message"]["content"] == \
         post(server, "/v1/chat/completions", CHAT).json()["choices"][0]["message"]["content"]
+
+
+def test_logprobs_are_the_models_log_softmax_in_openais_shapes(server, local_model):
+    num_tokens = 6
+    local = local_model.engine.generate(PROMPT, nnrun.SamplingParams(max_tokens=num_tokens, temperature=0,
+                                                                     logprobs=3))[0].outputs[0]
+    with local_model.trace(PROMPT):
+        logits = local_model.lm_head.output[0, -1].save()
+    first_logprobs = torch.log_softmax(logits.float(), dim=-1)  # the first generated token's, from the model itself
+    decode = local_model.tokenizer.decode
+
+    answer = post(server, "/v1/completions", {**BASE, "logprobs": 3}).json()["choices"][0]["logprobs"]
+    assert answer["tokens"] == [decode([token_id]) for token_id in local.token_ids]
+    # The server's engine and this one run the same kernels on the same prompt, one torch thread each.
+    torch.testing.assert_close(torch.tensor(answer["token_logprobs"]),
+                               torch.tensor([entry[t] for t, entry in zip(local.token_ids, local.logprobs)]),
+                               atol=1e-5, rtol=1e-5)
+    assert abs(answer["token_logprobs"][0] - first_logprobs[local.token_ids[0]].item()) < 1e-4
+    top = torch.topk(first_logprobs, 3)
+    assert answer["top_logprobs"][0] == pytest.approx(
+        {decode([i]): v for i, v in zip(top.indices.tolist(), top.values.tolist())}, abs=1e-4)
+    assert answer["text_offset"][0] == 0 and answer["text_offset"][1] == len(answer["tokens"][0])
+
+    only_sampled = post(server, "/v1/completions", {**BASE, "logprobs": 0}).json()["choices"][0]["logprobs"]
+    assert [list(entry) for entry in only_sampled["top_logprobs"]] == [[token] for token in answer["tokens"]]
+
+    streamed = post(server, "/v1/completions", {**BASE, "logprobs": 3, "stream": True})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    pieces = [chunk["choices"][0]["logprobs"] for chunk in chunks]
+    assert [token for piece in pieces for token in piece["tokens"]] == answer["tokens"]
+    assert [lp for piece in pieces for lp in piece["token_logprobs"]] == answer["token_logprobs"]
+
+    chat = post(server, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"]
+    for token in content:  # greedy: the sampled token is the most likely one
+        assert len(token["top_logprobs"]) == 2 and token["top_logprobs"][0]["token"] == token["token"]
+        assert token["top_logprobs"][0]["logprob"] == token["logprob"] >= token["top_logprobs"][1]["logprob"]
+        assert bytes(token["bytes"]).decode() == token["token"]
+    assert post(server, "/v1/chat/completions", CHAT).json()["choices"][0]["logprobs"] is None
