@@ -31,3 +31,10 @@ def test_a_model_whose_own_forward_fails_is_refused_naming_family_and_reason():
     result = check_family("xmod")
     assert result.path == "refused"
     assert "xmod" in result.detail and "Input language unknown" in result.detail
+
+
+def test_a_hybrid_runs_exact_with_the_right_reason():
+    result = check_family("qwen3_next")  # linear-attention layers beside attention layers
+    assert result.path == "exact"
+    assert "do not call transformers' attention interface (state-space, linear-attention" in result.detail
+    assert "shared-KV" not in result.detail
