@@ -7,10 +7,11 @@ import pytest
 from families.sweep import check_family
 
 # One family per way a model can meet nnrun: attention on transformers' interface (llama), attention
-# sinks (gpt_oss), attention outside the interface (gptj), a state-space model (mamba), positions
-# numbered from an offset (roberta), a hybrid of linear attention and attention (qwen3_next), and a
-# model whose own HF forward fails without a setting a user must make first (xmod's language).
-SAMPLE = ("llama", "gpt_oss", "gptj", "mamba", "roberta", "qwen3_next", "xmod")
+# sinks (gpt_oss), attention outside the interface (gptj), positions numbered from an offset
+# (roberta); below, a state-space model (mamba), a hybrid of linear attention and attention
+# (qwen3_next), and a model whose own HF forward fails without a setting a user must make first
+# (xmod's language), each with what it must say.
+SAMPLE = ("llama", "gpt_oss", "gptj", "roberta")
 
 
 @pytest.mark.parametrize("model_type", SAMPLE)
