@@ -1,4 +1,4 @@
-"""What crosses the pipe between the front end and its ranks: steps as one int64 buffer, logits as raw bytes.
+"""What crosses the pipe between the front end and its ranks: a step as one int64 buffer, its answer as raw bytes.
 
 A step is described by the tokens it runs and where their KV lives: token ids, positions and
 slots (`[N]` each), per request its cached prefix length, its new tokens, its page table and
@@ -23,12 +23,12 @@ class MessageKind(enum.IntEnum):
     STEP = 1  # front end -> every rank: run this step
     STOP = 2  # front end -> every rank: leave the loop and exit
     LOGITS = 3  # rank 0 -> front end: the step's logits rows
-    TOKEN_IDS = 9  # rank 0 -> front end: each row's argmax (a step of plain greedy rows only)
-    ERROR = 4  # any rank -> front end: a traceback; that rank exits after sending it
-    READY = 5  # every rank -> front end, once loaded: rank 0 adds what the front end must mirror
-    PROFILE_START = 6  # front end -> every rank: time collectives from now on
-    PROFILE_STOP = 7  # front end -> every rank: stop timing; rank 0 answers with STATS
-    STATS = 8  # rank 0 -> front end: the window's wall time and collective time
+    TOKEN_IDS = 4  # rank 0 -> front end: each row's argmax (a step of plain greedy rows only)
+    ERROR = 5  # any rank -> front end: a traceback; that rank exits after sending it
+    READY = 6  # every rank -> front end, once loaded: rank 0 adds what the front end must mirror
+    PROFILE_START = 7  # front end -> every rank: time collectives from now on
+    PROFILE_STOP = 8  # front end -> every rank: stop timing; rank 0 answers with STATS
+    STATS = 9  # rank 0 -> front end: the window's wall time and collective time
 
 
 class StepReply(enum.IntEnum):
