@@ -26,6 +26,7 @@ from nnsight.tracing.util import Scope, filter_traceback
 from interleaver.nnsight_private import saved_value_ids
 from interleaver.layouts import SAMPLES_LOCATION
 from interleaver.mediator import PackedMediator
+from nnrun.exact import family_of
 
 if TYPE_CHECKING:
     from interleaver.jobs import TraceJob
@@ -67,6 +68,16 @@ class NNrunTracer(InterleavingTracer):
 
     def invoke(self, *args: Any, **kwargs: Any) -> NNrunInvoker:
         return NNrunInvoker(self, *args, **kwargs)
+
+    def barrier(self, n: int) -> Any:
+        """nnsight's barrier; refused where each prompt has its own forward (nnrun's exact path)."""
+        engine = getattr(self.envoy, "engine", None)
+        if engine is not None and engine.runner.exact_forward is not None:
+            raise ValueError(
+                f"tracer.barrier() makes invokes meet inside one forward, but {family_of(engine.model)} runs on "
+                "nnrun's exact path, where each prompt has its own forward; share values without a barrier (a later "
+                "invoke can read what an earlier one saved)")
+        return super().barrier(n)
 
     def invoke_prompts(self, args: tuple, kwargs: dict) -> list[list[int]]:
         """An invoke's prompts as token ids (checked), tokenizing a text prompt once per trace."""

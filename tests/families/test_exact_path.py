@@ -169,8 +169,8 @@ def nnsight_models():
     ours.shutdown()
 
 
-# On the exact path each prompt has its own forward: an invoke over several prompts is refused by
-# name, and a barrier (invokes meeting inside one forward) cannot meet. Every other scenario of the
+# On the exact path each prompt has its own forward: an invoke over several prompts and a barrier
+# (invokes meeting inside one forward) are refused by name. Every other scenario of the
 # conformance suite saves what nnsight on HF saves.
 OVER_SEVERAL_PROMPTS = ("direct_list_input", "empty_invoke", "list_invoke", "list_invoke_edit")
 BARRIERS = ("barrier_shares_embeddings",)
@@ -201,7 +201,7 @@ def test_exact_path_serves_nnsight_like_hf(nnsight_models, name):
             with pytest.raises(ValueError, match="exact path .* give each prompt its own tracer.invoke"):
                 SCENARIOS[name](ours, tokenizer)
         elif name in BARRIERS:
-            with pytest.raises(Exception):
+            with pytest.raises(ValueError, match="tracer.barrier.* exact path, where each prompt has its own forward"):
                 SCENARIOS[name](ours, tokenizer)
         else:
             assert_same(SCENARIOS[name](oracle, tokenizer), SCENARIOS[name](ours, tokenizer), name)
