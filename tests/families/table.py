@@ -54,8 +54,8 @@ forward_path="exact")` (or `nnrun.LanguageModel(..., forward_path="exact")`) put
 exact path.
 
 What the exact path does not do: an invoke over several prompts (an empty invoke, a list of
-prompts in one invoke) is refused by name, since each prompt has its own forward; for the same
-reason `tracer.barrier` between invokes fails. Decode steps never replay CUDA graphs. HF's own
+prompts in one invoke) is refused by name, since each prompt has its own forward, and so is
+`tracer.barrier` (a later invoke can still read what an earlier one saved). Decode steps never replay CUDA graphs. HF's own
 caches live outside nnrun's KV pool (whose pages then only count tokens for the scheduler) and are
 not budgeted: on a full GPU a long generation can run out of memory where the packed path would
 have waited for pages. Tensor-parallel engines have no exact path and refuse what would need it. It is slower: on the bundled tiny-facts model on CPU, 8 prompts with 16
