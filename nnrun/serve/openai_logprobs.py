@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]],
+def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float] | None],
                         text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI's legacy `logprobs`; an entry of None (an echoed prompt's first token, which nothing predicts) is null."""
     texts = [_text(tokenizer, token_id) for token_id in token_ids]
     offsets = []
     for text in texts:
@@ -21,10 +22,16 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict
         text_offset += len(text)
     return {
         "tokens": texts,
-        "token_logprobs": [entry[token_id] for token_id, entry in zip(token_ids, entries)],
-        "top_logprobs": [{_text(tokenizer, tid): lp for tid, lp in entry.items()} for entry in entries],
+        "token_logprobs": [entry[tid] if entry is not None else None for tid, entry in zip(token_ids, entries)],
+        "top_logprobs": [{_text(tokenizer, tid): lp for tid, lp in entry.items()} if entry is not None else None
+                         for entry in entries],
         "text_offset": offsets,
     }
+
+
+def joined(first: dict[str, list], second: dict[str, list]) -> dict[str, list]:
+    """Two legacy `logprobs` one after the other (an echoed prompt's, then its completion's)."""
+    return {key: first[key] + second[key] for key in first}
 
 
 def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]],

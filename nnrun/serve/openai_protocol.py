@@ -87,10 +87,14 @@ class CompletionRequest(SamplingFields):
     best_of: StrictInt | None = None
     logprobs: NumLogprobs | None = None
 
-    unserved: ClassVar[dict[str, tuple[Any, ...]]] = {"echo": (False,), "suffix": (None,), "best_of": (None, 1)}
+    unserved: ClassVar[dict[str, tuple[Any, ...]]] = {"suffix": (None,), "best_of": (None, 1)}
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        # An echoed prompt comes back with its own logprobs when logprobs are asked for.
+        return {**super().sampling_kwargs(), "prompt_logprobs": self.logprobs if self.echo else None}
 
 
 class TextPart(BaseModel):

@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from nnrun.outputs import RequestOutput
 from nnrun.sampling_params import SamplingParams
 from nnrun.serve.app import DISCONNECT_POLL_S
-from nnrun.serve.openai_logprobs import chat_logprobs, completion_logprobs
+from nnrun.serve.openai_logprobs import chat_logprobs, completion_logprobs, joined
 from nnrun.serve.openai_protocol import ChatRequest, CompletionRequest, SamplingFields
 
 router = APIRouter()
@@ -65,7 +65,8 @@ async def _complete(request: Request, body: SamplingFields, prompt: Any, max_tok
         raise HTTPException(status_code=400, detail=str(error)) from None
     meta = {"id": handle.request_id, "created": int(time.time()), "model": body.model}
     deadline = time.monotonic() + state.config.request_timeout_s
-    answer = _Answer(meta, chat, model.tokenizer, body.num_logprobs())
+    echo = _echoed_text(model.tokenizer, prompt) if getattr(body, "echo", False) else None
+    answer = _Answer(meta, chat, model.tokenizer, body.num_logprobs(), echo)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_stream(state, handle, answer, deadline, include_usage),
@@ -138,7 +139,7 @@ async def _stream(state: Any, handle: Any, answer: "_Answer", deadline: float,
     with an error event before [DONE], never cut short without a word. With logprobs, each chunk
     carries those of the tokens it is the first to show.
     """
-    sent, num_tokens_sent = "", 0
+    sent, num_tokens_sent, echo_pending = "", 0, answer.echo is not None
     if answer.chat:
         yield answer.event({"index": 0, "delta": {"role": "assistant"}, "finish_reason": None})
     try:
@@ -150,6 +151,9 @@ async def _stream(state: Any, handle: Any, answer: "_Answer", deadline: float,
             if delta or reason:
                 piece = {"delta": {"content": delta}} if answer.chat else {"text": delta}
                 logprobs = answer.logprobs(completion, num_tokens_sent, len(sent) - len(delta))
+                if echo_pending:  # the first chunk shows the prompt first
+                    piece, logprobs = answer.with_echo(output, piece, logprobs)
+                    echo_pending = False
                 num_tokens_sent = len(completion.token_ids)
                 yield answer.event({"index": 0, **piece, "finish_reason": reason, **logprobs})
             if output.finished and include_usage:
@@ -163,9 +167,11 @@ async def _stream(state: Any, handle: Any, answer: "_Answer", deadline: float,
 class _Answer:
     """How one completion is answered: its id and model, chat or text, and its logprobs if asked for."""
 
-    def __init__(self, meta: dict, chat: bool, tokenizer: Any, num_logprobs: int | None) -> None:
+    def __init__(self, meta: dict, chat: bool, tokenizer: Any, num_logprobs: int | None,
+                 echo: str | None = None) -> None:
         self.meta = meta
         self.chat = chat
+        self.echo = echo  # the prompt's text, shown before the completion's (`echo=true`)
         self.tokenizer = tokenizer
         self.num_logprobs = num_logprobs
         self.chunk_kind = "chat.completion.chunk" if chat else "text_completion"
@@ -182,7 +188,18 @@ class _Answer:
         token_ids, entries = completion.token_ids[first_token:], completion.logprobs[first_token:]
         if self.chat:
             return {"logprobs": chat_logprobs(self.tokenizer, token_ids, entries, self.num_logprobs)}
+        if self.echo is not None:
+            text_offset += len(self.echo)
         return {"logprobs": completion_logprobs(self.tokenizer, token_ids, entries, text_offset)}
+
+    def with_echo(self, output: RequestOutput, piece: dict, logprobs: dict) -> tuple[dict, dict]:
+        """A text piece (and its logprobs) with the prompt's text (and its tokens' logprobs) before it."""
+        piece = {"text": self.echo + piece["text"]}
+        if logprobs.get("logprobs") is None:
+            return piece, logprobs
+        entries = output.prompt_logprobs or [None] * len(output.prompt_token_ids)
+        prompt = completion_logprobs(self.tokenizer, output.prompt_token_ids, entries)
+        return piece, {"logprobs": joined(prompt, logprobs["logprobs"])}
 
     def response(self, output: RequestOutput) -> dict:
         completion = output.outputs[0]
@@ -192,7 +209,11 @@ class _Answer:
                       "finish_reason": reason, "logprobs": None}
         else:
             choice = {"index": 0, "text": completion.text, "finish_reason": reason}
-        choice.update(self.logprobs(completion))
+        logprobs = self.logprobs(completion)
+        if self.echo is not None:
+            text, logprobs = self.with_echo(output, {"text": completion.text}, logprobs)
+            choice.update(text)
+        choice.update(logprobs)
         return {**self.meta, "object": "chat.completion" if self.chat else "text_completion", "choices": [choice],
                 "usage": _usage(output)}
 
@@ -201,6 +222,13 @@ def _usage(output: RequestOutput) -> dict[str, int]:
     num_prompt, num_completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
     return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
             "total_tokens": num_prompt + num_completion}
+
+
+def _echoed_text(tokenizer: Any, prompt: Any) -> str:
+    """What `echo=true` shows of the prompt: its text, or the text its token ids decode to."""
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(prompt) if tokenizer is not None else ""
 
 
 def _chat_prompt(tokenizer: Any, messages: list[dict]) -> str:

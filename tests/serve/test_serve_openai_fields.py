@@ -26,7 +26,7 @@ REFUSED_COMPLETIONS = [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": -3}, "max_tokens"),
     ({"max_tokens": 2.5}, "max_tokens"),
-    ({"echo": True}, "echo"),
+    ({"echo": 1}, "echo"),
     ({"stream": "yes"}, "stream"),
     ({"stream": 1}, "stream"),
     ({"best_of": 2}, "best_of"),
@@ -145,3 +145,29 @@ def test_logprobs_are_the_models_log_softmax_in_openais_shapes(server, local_mod
         assert token["top_logprobs"][0]["logprob"] == token["logprob"] >= token["top_logprobs"][1]["logprob"]
         assert bytes(token["bytes"]).decode() == token["token"]
     assert post(server, "/v1/chat/completions", CHAT).json()["choices"][0]["logprobs"] is None
+
+
+def test_echo_shows_the_prompt_and_its_logprobs(server, local_model):
+    expected = local_model.engine.generate(PROMPT, nnrun.SamplingParams(max_tokens=6, temperature=0))[0]
+    plain = post(server, "/v1/completions", {**BASE, "echo": True}).json()["choices"][0]
+    assert plain["text"] == PROMPT + expected.outputs[0].text and plain["logprobs"] is None
+
+    prompt_ids = expected.prompt_token_ids
+    with local_model.trace(PROMPT):
+        logits = local_model.lm_head.output[0].save()
+    # Token i of the prompt as the model predicted it from the tokens before it.
+    predicted = torch.log_softmax(logits.float(), dim=-1)[torch.arange(len(prompt_ids) - 1), prompt_ids[1:]]
+    answer = post(server, "/v1/completions", {**BASE, "echo": True, "logprobs": 1}).json()["choices"][0]
+    logprobs = answer["logprobs"]
+    assert answer["text"] == plain["text"]
+    assert logprobs["tokens"][:len(prompt_ids)] == [local_model.tokenizer.decode([t]) for t in prompt_ids]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    torch.testing.assert_close(torch.tensor(logprobs["token_logprobs"][1:len(prompt_ids)]), predicted,
+                               atol=1e-4, rtol=1e-4)
+    assert len(logprobs["tokens"]) == len(prompt_ids) + len(expected.outputs[0].token_ids)
+
+    streamed = post(server, "/v1/completions", {**BASE, "echo": True, "stream": True})
+    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    assert chunks[0]["choices"][0]["text"].startswith(PROMPT)
+    assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == plain["text"]
