@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                         help="dummy: random weights from the model's config")
     engine.add_argument("--batch-tokens", type=int, default=None, help="tokens per forward (max_num_batched_tokens)")
+    engine.add_argument("--forward-path", choices=("auto", "exact"), default="auto",
+                        help="exact: every prompt through the model's own HF forward (auto: only when the load-time "
+                             "probe finds the packed path differs from it)")
     scale = parser.add_argument_group("many engines (Ray; pip install 'nnrun[distributed]')")
     scale.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                        help="run the job on Ray engines: the cluster at ADDRESS, else $RAY_ADDRESS, else a new local "
@@ -96,7 +99,8 @@ def _usage_error(message: str) -> int:
 def _run_job(args: argparse.Namespace) -> int:
     from nnrun.extract.executors import extract
 
-    llm_kwargs = {"device": args.device, "dtype": args.model_dtype, "load_format": args.load_format}
+    llm_kwargs = {"device": args.device, "dtype": args.model_dtype, "load_format": args.load_format,
+                  "forward_path": args.forward_path}
     if args.batch_tokens is not None:
         llm_kwargs["max_num_batched_tokens"] = args.batch_tokens
     try:

@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--dtype", choices=_DTYPES, default="auto", help="compute dtype (default: auto)")
     engine.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                         help="dummy: random weights in the model's shapes")
+    engine.add_argument("--forward-path", choices=("auto", "exact"), default="auto",
+                        help="exact: every request through the model's own HF forward and cache (auto: only when "
+                             "the load-time probe finds the packed path differs from it)")
     for name in _ENGINE_INTS:
         engine.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, metavar="N")
 
@@ -65,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_config(args: argparse.Namespace) -> ServeConfig:
     engine_kwargs = {name: getattr(args, name) for name in _ENGINE_INTS if getattr(args, name) is not None}
     engine_kwargs.update(device=args.device, dtype=None if args.dtype == "auto" else args.dtype,
-                         load_format=args.load_format)
+                         load_format=args.load_format, forward_path=args.forward_path)
     return ServeConfig(
         model=args.model, host=args.host, port=args.port, api_key=args.api_key,
         max_body_bytes=int(args.max_body_mb * 2**20), request_timeout_s=args.request_timeout,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import warnings
 
@@ -266,3 +267,27 @@ def test_an_encoder_only_head_is_refused_naming_family_and_reason():
                         intermediate_size=128)
     with pytest.raises(ModelRefusedError, match=r"bert: BertForMaskedLM cannot generate text .*encoder-only"):
         nnrun.LLM(BertForMaskedLM(config).eval())
+
+
+def test_serve_and_extract_commands_take_the_exact_path(tmp_path, capsys):
+    import argparse
+
+    from nnrun.cli import main
+    from nnrun.serve.command import add_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert build_config(parser.parse_args(["tiny-facts", "--forward-path", "exact"])).engine_kwargs["forward_path"] \
+        == "exact"
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("the cat sat\nparis is the capital of\n")
+    args = ["extract", "--model", "tiny-facts", "--input", str(prompts), "--module", "model.layers.1", "--quiet"]
+    assert main([*args, "--out", str(tmp_path / "packed")]) == 0
+    assert main([*args, "--out", str(tmp_path / "exact"), "--forward-path", "exact"]) == 0
+    assert capsys.readouterr().err == ""
+    settings = [json.loads((tmp_path / name / "manifest.json").read_text())["settings"] for name in ("packed", "exact")]
+    assert settings[0]["batch_prompts"] > 1 and settings[1]["batch_prompts"] == 1  # one prompt per HF forward
+    packed, exact = load_activations(tmp_path / "packed"), load_activations(tmp_path / "exact")
+    for i in range(2):
+        # the same prompt through the packed path and through HF's own forward: fp32 summation order only
+        torch.testing.assert_close(exact[i]["model.layers.1"], packed[i]["model.layers.1"], rtol=1e-4, atol=1e-5)
