@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nnrun.config import EngineConfig
-from nnrun.tp import wire
+import nnrun.tp.wire as wire
 from nnrun.tp.worker import RankSpec, run_rank
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from nnrun.loader import _load_tokenizer, _resolve_path, check_model_supported
 from nnrun.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from nnrun.model_runner import LogitsProcessorOutput, ModelRunner
 from nnrun.sampler import SamplerOutput
-from nnrun.tp import wire
+import nnrun.tp.wire as wire
 from nnrun.tp.group import RankGroup
 from nnrun.tp.plan import check_tensor_parallel_plan
 

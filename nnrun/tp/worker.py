@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from nnrun.config import EngineConfig
 from nnrun.model_runner import ModelRunner
-from nnrun.tp import wire
+import nnrun.tp.wire as wire
 from nnrun.tp.profiling import CollectiveTimer
 
 PARENT_POLL_S = 0.5  # how often a rank checks that its front end is still alive

@@ -7,7 +7,7 @@ from nnrun.forward_batch import OUTPUT_ATTENTIONS_ARG, ForwardMode, decode_forwa
 from nnrun.memory import ReqToTokenPool, TokenToKVPoolAllocator, hold_kv
 from nnrun.request import Request
 from nnrun.sampling_params import SamplingParams
-from nnrun.tp import wire
+import nnrun.tp.wire as wire
 
 pytestmark = pytest.mark.slow
 
