@@ -270,6 +270,14 @@ class ModelRunner:
                                     [self._wants_prompt_logits(req) for req in reqs],
                                     [self.keeps_all_logits(req) for req in reqs])
 
+    def packed_step(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """The base class's packed step, whatever a subclass does around it (the load-time probe runs it)."""
+        return ModelRunner.forward(self, forward_batch)
+
+    def packed_decode_batch(self, reqs: list[Request]) -> ForwardBatch:
+        """The base class's decode layout for `reqs` (the load-time probe's decode step)."""
+        return ModelRunner.prepare_forward_batch_decode(self, reqs)
+
     def keeps_all_logits(self, req: Request) -> bool:
         """Whether `req` keeps every new token's logits this step (a seam: the nnsight runner's traces do)."""
         return False

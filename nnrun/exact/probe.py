@@ -168,14 +168,12 @@ def _run_packed(runner: "ModelRunner", prompts: list[ProbePrompt], with_decode: 
     The second of several prompts keeps only its last position's logits (`[1, V]`), as a generation
     does, the others every position's (`[T, V]`): a model that ignores `logits_to_keep` shows.
     """
-    from nnrun.model_runner import ModelRunner
-
     prefills: list[torch.Tensor] = []
     decodes: list[torch.Tensor] = []
     with runner.step_lock, runner._transient_requests([p.token_ids for p in prompts]) as reqs:
         forward_batch = packed_forward_batch(reqs, ForwardMode.EXTEND, runner.req_to_token_pool.req_to_token,
                                              runner.allocator.page_size, [not last_only and (len(reqs) == 1 or row != 1) for row in range(len(reqs))])
-        output = ModelRunner.forward(runner, forward_batch)  # the plain packed step, whatever the subclass
+        output = runner.packed_step(forward_batch)
         for row, prompt_logits in enumerate(output.prompt_logits or [None] * len(reqs)):
             last = output.next_token_logits[row : row + 1]  # [1, V]
             prefills.append(last if prompt_logits is None else torch.cat([prompt_logits, last]))
@@ -186,6 +184,5 @@ def _run_packed(runner: "ModelRunner", prompts: list[ProbePrompt], with_decode: 
             req.output_token_ids.append(prompt.next_token_id)
             if not hold_kv(req, req.num_tokens, runner.allocator, runner.req_to_token_pool):
                 raise RuntimeError("the KV pool cannot hold the exactness probe's prompts")
-        forward_batch = ModelRunner.prepare_forward_batch_decode(runner, reqs)
-        decodes = list(ModelRunner.forward(runner, forward_batch).next_token_logits)
+        decodes = list(runner.packed_step(runner.packed_decode_batch(reqs)).next_token_logits)
     return prefills, decodes
