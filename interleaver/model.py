@@ -29,6 +29,7 @@ from interleaver.keywords import (GENERATE_KWARGS, INVOKE_KWARGS, STREAMER_KWARG
                                   apply_tokenizer_settings, engine_kwargs, refuse_backends)
 from interleaver.mediator import PackedInterleaver, ServedValues
 from interleaver.jobs import Invocation, TraceJob, pad_sequences
+from interleaver.run_job import run_trace_job
 from interleaver.runner import NNsightGPUModelRunner
 from interleaver.scan import ScanTracer
 from interleaver.sources import client_source
@@ -252,28 +253,11 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
 
     def _run_job(self, job: TraceJob) -> None:
         """Submit every request of the trace at once, then wait for the engine to finalize it."""
-        engine = self.engine
         feed = None
         if job.streamer is not None:  # fed on this thread, never the engine's (see interleaver/streaming.py)
             feed = StreamerFeed(job.streamer, [r.prompt_token_ids for r in job.requests.values()], job.pad_token_id)
             feed.begin()
-        # A gang: one step admits every request of the trace (invokes that share values, and
-        # barriers, need their requests in the same forward).
-        handles = engine.submit_requests(list(job.requests.values()), gang=True, stream=feed is not None)
-        try:
-            if feed is not None:
-                feed.follow(handles)
-            while not job.done.wait(1.0):
-                if all(request.is_finished for request in job.requests.values()):
-                    with engine.runner.step_lock:  # a step that finished them has also finalized them
-                        if not job.done.is_set():
-                            raise RuntimeError("the engine finished this trace's requests without finalizing "
-                                               "its blocks")
-        except BaseException:  # Ctrl-C, or the streamer raised: end the trace's requests, free their KV and blocks
-            engine.abort(list(job.requests))
-            # A block still running (a loop) would hold the engine thread, so the abort would never be seen.
-            engine.runner.interleaver.running_blocks.interrupt([inv.mediator for inv in job.invocations])
-            raise
+        run_trace_job(self.engine, job, feed=feed)
 
     def _generate_plain(self, inputs: tuple, kwargs: dict) -> torch.Tensor:
         if self._edits:  # the edits run as blocks, so the prompts go through a trace's job

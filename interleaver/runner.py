@@ -93,6 +93,19 @@ class NNsightGPUModelRunner(ModelRunner):
         self._keep_trace_outputs(forward_batch, logits)
         return self.process_logits(logits, forward_batch)
 
+    # ---- blocks on the engine thread (what a server's watchdogs read and end) -------------
+    def running_block(self) -> Any | None:
+        """The mediator whose block the engine thread is running right now, or None between blocks."""
+        return self.interleaver.running_blocks.innermost()
+
+    def interrupt_blocks(self, mediators: list[Any]) -> bool:
+        """Raise `BlockCancelled` in the running block if it is one of `mediators`; True if it was."""
+        return self.interleaver.running_blocks.interrupt(mediators)
+
+    def interrupt_running_blocks(self) -> bool:
+        """Raise `BlockCancelled` in whatever block is running now (a server shutting down); True if one was."""
+        return self.interrupt_blocks(self.interleaver.running_blocks.snapshot())
+
     def requests_to_blame(self, reqs: list[Request]) -> list[Request]:
         """After a failed step: the requests whose blocks edited one of its values, which the engine ends.
 

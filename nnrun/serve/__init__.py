@@ -5,7 +5,8 @@ Server side, one job per file:
   command        the `nnrun serve MODEL ...` subcommand: load the model, run uvicorn
   drain          SIGTERM: drain, cut what is left with a clear error, exit 0, never hang
   http_limits    header size and time, open connections: bounded before any route runs
-  app            the FastAPI app and what its routes share (ServeState)
+  app            the FastAPI app: its routes, lifespan and middleware
+  state          what every route shares (ServeState): config, model, worker threads, the drain
   limits         API key (401), body size (413) and time (408), requests in flight (429)
   engine_model   ServedLanguageModel: nnrun's LanguageModel with deadlines, cancellation, edits
   block_watch    how long a block holds the engine; EditWatchdog ends edits that hold it on completions

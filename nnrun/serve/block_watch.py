@@ -27,16 +27,15 @@ class BlockWatch:
     since the last look if its `pending` (replaced at every park) is the same object.
     """
 
-    def __init__(self, running_blocks: Any, mediators: list[Any]) -> None:
-        self.running_blocks = running_blocks
+    def __init__(self, runner: Any, mediators: list[Any]) -> None:
+        self.runner = runner  # the engine's NNsightGPUModelRunner
         self.mediators = mediators
         self.running: Any = None  # the watched block running at the last look, or None
         self._seen: tuple[int, int] | None = None  # (mediator id, pending id) at the last look
         self._since = 0.0
 
     def seconds_running(self) -> float:
-        stack = list(self.running_blocks._stack)  # a snapshot; the engine thread pushes and pops
-        running = stack[-1] if stack else None
+        running = self.runner.running_block()
         if running is None or not any(running is m for m in self.mediators):
             self._seen = self.running = None
             return 0.0
@@ -76,7 +75,7 @@ class EditWatchdog:
         self._stopping = threading.Event()
 
     def watch(self, request: Any, mediators: list[Any]) -> None:
-        watch = BlockWatch(self.engine.runner.interleaver.running_blocks, mediators)
+        watch = BlockWatch(self.engine.runner, mediators)
         with self._lock:
             self._watched[request.request_id] = (request, watch)
             if self._thread is None:
@@ -94,7 +93,7 @@ class EditWatchdog:
             watched = self._watched.pop(request_id, None)
         self.engine.abort([request_id], error)
         if watched is not None:
-            self.engine.runner.interleaver.running_blocks.interrupt(watched[1].mediators)
+            self.engine.runner.interrupt_blocks(watched[1].mediators)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -121,6 +120,6 @@ class EditWatchdog:
                 del self._failures[next(iter(self._failures))]
             self._watched.pop(request_id, None)
         self.engine.abort([request_id], TimeoutError(message))
-        self.engine.runner.interleaver.running_blocks.interrupt(watch.mediators)
+        self.engine.runner.interrupt_blocks(watch.mediators)
         logger.warning("%s", message)
         self.on_timeout(registration, message)

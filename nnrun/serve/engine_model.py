@@ -20,6 +20,7 @@ from typing import Any, Iterator
 from interleaver.keywords import _check_kwargs
 from interleaver.model import LanguageModel
 from interleaver.jobs import TraceJob
+from interleaver.run_job import run_trace_job
 from interleaver.tracer import NNrunTracer, PendingInvoke
 from nnrun.engine import RequestHandle
 from nnrun.sampling_params import SamplingParams
@@ -109,8 +110,7 @@ class ServedLanguageModel(LanguageModel):
     def shutdown(self, timeout_s: float = ENGINE_STOP_S) -> bool:
         """Stop the engine (requests still in it fail); a block still running is interrupted, so it cannot hold it."""
         self.edit_watchdog.stop()
-        running_blocks = self.engine.runner.interleaver.running_blocks
-        running_blocks.interrupt(list(running_blocks._stack))
+        self.engine.runner.interrupt_running_blocks()
         return self.engine.shutdown(timeout_s)
 
     @property
@@ -191,18 +191,10 @@ class ServedLanguageModel(LanguageModel):
             detach_registered(job)
             return
         limits.request_ids = list(job.requests)
-        engine = self.engine
-        engine.submit_requests(list(job.requests.values()), gang=True)
-        watch = BlockWatch(engine.runner.interleaver.running_blocks, [inv.mediator for inv in job.invocations])
+        watch = BlockWatch(self.engine.runner, [inv.mediator for inv in job.invocations])
         try:
-            while not job.done.wait(POLL_S):
-                self._check_limits(limits, watch)
-        except BaseException as error:
-            engine.abort(list(job.requests), error)
-            # A block still running (a loop) holds the engine thread: the abort is only seen after it.
-            engine.runner.interleaver.running_blocks.interrupt(watch.mediators)
-            job.done.wait(ABORT_GRACE_S)
-            raise
+            run_trace_job(self.engine, job, check=lambda: self._check_limits(limits, watch), poll_s=POLL_S,
+                          abort_grace_s=ABORT_GRACE_S, abort_with_error=True)
         finally:
             if job.done.is_set():
                 limits.registered_saves = detach_registered(job)

@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from nnrun.outputs import RequestOutput
 from nnrun.sampling_params import SamplingParams
-from nnrun.serve.app import DISCONNECT_POLL_S
+from nnrun.serve.state import DISCONNECT_POLL_S
 from nnrun.serve.openai_logprobs import chat_logprobs, completion_logprobs, joined
 from nnrun.serve.openai_protocol import ChatRequest, CompletionRequest, SamplingFields
 
