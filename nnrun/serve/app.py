@@ -40,13 +40,14 @@ def _load_anyio_backend() -> None:
         importlib.import_module("anyio._backends._asyncio")
         return
     from nnsight import save
-    from nnsight._c import mount, unmount
 
-    unmount("save")
+    from interleaver.nnsight_private import mount_save, unmount_save
+
+    unmount_save("save")
     try:
         importlib.import_module("anyio._backends._asyncio")
     finally:
-        mount(save, "save")
+        mount_save(save, "save")
 
 
 _load_anyio_backend()

@@ -14,7 +14,9 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from nnsight.intervention.serialization import _referenced_names, dumps, reduce_block
+from nnsight.intervention.serialization import dumps, reduce_block
+
+from interleaver.nnsight_private import referenced_names
 
 CACHE_SIZE = 256
 _blocks: OrderedDict[int, tuple[ast.AST, str, frozenset[str]]] = OrderedDict()  # id(node) -> (node, source, names)
@@ -46,7 +48,7 @@ def _read_block(node: ast.AST) -> tuple[str, frozenset[str]]:
             _blocks.move_to_end(id(node))
             return cached[1], cached[2]
     source = reduce_block(node, {}, {})[0]  # an empty scope: only the source is wanted here
-    names = frozenset(_referenced_names(source))
+    names = frozenset(referenced_names(source))
     with _lock:
         _blocks[id(node)] = (node, source, names)  # the node is kept, so its id is not reused while cached
         while len(_blocks) > CACHE_SIZE:

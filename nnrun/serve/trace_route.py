@@ -16,7 +16,9 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, HTTPException, Request
-from nnsight.tracing.tracer import _saves, dec, inc
+from nnsight.tracing.tracer import dec, inc
+
+from interleaver.nnsight_private import saved_value_ids
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -62,7 +64,7 @@ def _execute(model: ServedLanguageModel, trace: ServerTrace, limits: RequestLimi
         with model.for_request(limits, trace.prompt_ids):
             trace.tracer.execute(trace.tracer.info.code)
     finally:
-        saved = _saves()
+        saved = saved_value_ids()
         saves = {name: value for name, value in frame.f_locals.items() if id(value) in saved}
         dec()  # back at depth 0, this thread's saved set is cleared
     return saves
