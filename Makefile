@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench venv clean
+.PHONY: demo lint test test-all bench venv clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,12 +18,18 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m nnrun.demo
 
-# The fast tier: every test that needs no extra process (no server, Ray cluster, notebook or fresh interpreter).
-test: $(STAMP)
+# The linter and the formatter (configured in pyproject.toml): the tree stays clean under both.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# The fast tier: lint, then every test that needs no extra process (no server, Ray cluster, notebook or
+# fresh interpreter).
+test: lint
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
 # Everything, the fast tier included; CI runs this.
-test-all: $(STAMP)
+test-all: lint
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench: $(STAMP)

@@ -12,9 +12,16 @@ from transformers import LlamaConfig
 
 def llama_30m_config() -> LlamaConfig:
     """About 31M parameters: hidden 512, 8 layers, GQA 8/4 heads, 16k vocabulary, tied embeddings."""
-    return LlamaConfig(vocab_size=16384, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-                       tie_word_embeddings=True)
+    return LlamaConfig(
+        vocab_size=16384,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+    )
 
 
 def random_prompts(count: int, min_len: int, max_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -29,8 +36,8 @@ def left_padded(batch: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, 
     ids = torch.full((len(batch), width), pad_id, dtype=torch.int64)
     mask = torch.zeros((len(batch), width), dtype=torch.int64)
     for row, prompt in enumerate(batch):
-        ids[row, width - len(prompt):] = torch.tensor(prompt)
-        mask[row, width - len(prompt):] = 1
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
     return ids, mask
 
 
@@ -42,22 +49,50 @@ def timed(results: dict, name: str) -> Iterator[None]:
 
 
 # Dense bf16/fp16 FLOP/s and HBM bytes/s, matched against torch.cuda.get_device_name; the H200 first.
-DEVICE_PEAKS = (("H200", 989e12, 4.8e12), ("H100 80GB HBM3", 989e12, 3.35e12), ("H100 NVL", 835e12, 3.9e12),
-                ("H100 PCIe", 756e12, 2.0e12))
+DEVICE_PEAKS = (
+    ("H200", 989e12, 4.8e12),
+    ("H100 80GB HBM3", 989e12, 3.35e12),
+    ("H100 NVL", 835e12, 3.9e12),
+    ("H100 PCIe", 756e12, 2.0e12),
+)
 
 
 def shape_config(shape: str) -> LlamaConfig:
     """LlamaConfig of a named shape: Llama-3.2-1B, Llama-3-8B, or a tiny one for CPU tests (no rope scaling)."""
-    llama3 = {"vocab_size": 128256, "num_attention_heads": 32, "num_key_value_heads": 8,
-              "max_position_embeddings": 4096}
+    llama3 = {
+        "vocab_size": 128256,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 4096,
+    }
     shapes = {
-        "tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 1024,
-                 "tie_word_embeddings": True},
-        "1b": {**llama3, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "head_dim": 64,
-               "tie_word_embeddings": True},
-        "8b": {**llama3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "head_dim": 128,
-               "tie_word_embeddings": False},
+        "tiny": {
+            "vocab_size": 256,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 1024,
+            "tie_word_embeddings": True,
+        },
+        "1b": {
+            **llama3,
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "head_dim": 64,
+            "tie_word_embeddings": True,
+        },
+        "8b": {
+            **llama3,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "head_dim": 128,
+            "tie_word_embeddings": False,
+        },
     }
     return LlamaConfig(**shapes[shape])
 

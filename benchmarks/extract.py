@@ -33,10 +33,10 @@ import time
 import warnings
 
 import torch
+from common import left_padded, llama_30m_config, random_prompts
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import nnrun
-from common import left_padded, llama_30m_config, random_prompts
 from nnrun.extract.plan import forward_batches
 from nnrun.extract.prepare import PreparedPrompt
 
@@ -120,8 +120,10 @@ def profile_extract(llm: nnrun.LLM, prompts: list[list[int]], module: str, shard
     for stage, seconds in sorted(t.items(), key=lambda item: -item[1]):
         print(f"  {stage:32s} {seconds:8.2f} s  {100 * seconds / wall_s:5.1f}%")
         job_thread += 0.0 if "commit thread" in stage else seconds
-    print(f"  {'other (planning, job thread)':32s} {wall_s - job_thread:8.2f} s  "
-          f"{100 * (wall_s - job_thread) / wall_s:5.1f}%")
+    print(
+        f"  {'other (planning, job thread)':32s} {wall_s - job_thread:8.2f} s  "
+        f"{100 * (wall_s - job_thread) / wall_s:5.1f}%"
+    )
 
 
 def time_extract(llm: nnrun.LLM, prompts: list[list[int]], module: str, shard_tokens: int) -> tuple[float, float]:
@@ -147,8 +149,7 @@ def time_bare_forward(llm: nnrun.LLM, prompts: list[list[int]]) -> tuple[float, 
 
 
 @torch.no_grad()
-def time_hf_padded(hf: torch.nn.Module, prompts: list[list[int]], module: str,
-                   batch_size: int) -> tuple[float, float]:
+def time_hf_padded(hf: torch.nn.Module, prompts: list[list[int]], module: str, batch_size: int) -> tuple[float, float]:
     """(b): left-padded batches; a forward hook copies each prompt's own rows to the host."""
     kept: list[torch.Tensor] = []
     lengths: list[int] = []
@@ -206,12 +207,12 @@ def _id_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     from tokenizers import Tokenizer, models
 
     vocab = {f"t{i}": i for i in range(vocab_size)}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
-                                   pad_token="t0")
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")), pad_token="t0")
 
 
-def time_engines(config, prompts: list[list[int]], module: str, args: argparse.Namespace,
-                 num_engines: int) -> dict[str, float]:
+def time_engines(
+    config, prompts: list[list[int]], module: str, args: argparse.Namespace, num_engines: int
+) -> dict[str, float]:
     """One extraction job on `num_engines` Ray engines: job and start-up seconds, peak RSS per engine, folder hash."""
     import hashlib
     from pathlib import Path
@@ -246,11 +247,23 @@ def time_engines(config, prompts: list[list[int]], module: str, args: argparse.N
     EngineProgress.close = keep_busy
     try:
         start = time.perf_counter()
-        llm_kwargs = {"load_format": "dummy", "device": args.device, "dtype": "float32",
-                      "max_num_batched_tokens": args.batch_tokens,
-                      "max_total_tokens": max(args.batch_tokens, args.max_len)}
-        summary = nnrun.extract(config, prompts, [module], out_dir, shard_tokens=args.shard_tokens, progress=False,
-                                llm_kwargs=llm_kwargs, executor=RayExecutor(num_engines, on_engines=engines.extend))
+        llm_kwargs = {
+            "load_format": "dummy",
+            "device": args.device,
+            "dtype": "float32",
+            "max_num_batched_tokens": args.batch_tokens,
+            "max_total_tokens": max(args.batch_tokens, args.max_len),
+        }
+        summary = nnrun.extract(
+            config,
+            prompts,
+            [module],
+            out_dir,
+            shard_tokens=args.shard_tokens,
+            progress=False,
+            llm_kwargs=llm_kwargs,
+            executor=RayExecutor(num_engines, on_engines=engines.extend),
+        )
         total_s = time.perf_counter() - start
         digest = hashlib.sha256()
         for path in sorted(Path(out_dir).iterdir()):
@@ -260,8 +273,14 @@ def time_engines(config, prompts: list[list[int]], module: str, args: argparse.N
         done.set()
         watcher.join()
         shutil.rmtree(out_dir, ignore_errors=True)
-    return {"job_s": summary.elapsed_s, "startup_s": total_s - summary.elapsed_s, "tokens": summary.num_new_tokens,
-            "peak_rss": max(peaks.values(), default=0), "sha256": digest.hexdigest()[:12], "busy_s": busy}
+    return {
+        "job_s": summary.elapsed_s,
+        "startup_s": total_s - summary.elapsed_s,
+        "tokens": summary.num_new_tokens,
+        "peak_rss": max(peaks.values(), default=0),
+        "sha256": digest.hexdigest()[:12],
+        "busy_s": busy,
+    }
 
 
 def _peak_rss_bytes(pid: int) -> int:
@@ -285,12 +304,16 @@ def compare_engines(config, prompts: list[list[int]], args: argparse.Namespace) 
     base = results[counts[0]]["tokens"] / results[counts[0]]["job_s"]
     for n, r in results.items():
         rate = r["tokens"] / r["job_s"]
-        print(f"{n} engines: {rate:.0f} tokens/s ({rate / base:.2f}x of {counts[0]}), job {r['job_s']:.1f} s after "
-              f"{r['startup_s']:.1f} s of start-up; peak memory per engine {r['peak_rss'] / 2**20:.0f} MiB; "
-              f"folder sha256 {r['sha256']}")
+        print(
+            f"{n} engines: {rate:.0f} tokens/s ({rate / base:.2f}x of {counts[0]}), job {r['job_s']:.1f} s after "
+            f"{r['startup_s']:.1f} s of start-up; peak memory per engine {r['peak_rss'] / 2**20:.0f} MiB; "
+            f"folder sha256 {r['sha256']}"
+        )
         # An engine busy well under 100% of the job waited on the driver (planning, fetching rows, committing).
-        print("  engine busy (in run_range): " + ", ".join(f"{s:.1f} s ({100 * s / r['job_s']:.0f}%)"
-                                                           for s in r["busy_s"]))
+        print(
+            "  engine busy (in run_range): "
+            + ", ".join(f"{s:.1f} s ({100 * s / r['job_s']:.0f}%)" for s in r["busy_s"])
+        )
 
 
 def _layer_of(module: str) -> int | None:
@@ -314,8 +337,11 @@ def main() -> None:
     parser.add_argument("--shard-tokens", type=int, default=32768)
     parser.add_argument("--hf-batch-size", type=int, default=16, help="prompts per padded batch / per trace")
     parser.add_argument("--skip-nnsight", action="store_true")
-    parser.add_argument("--skip-baselines", action="store_true",
-                        help="time nnrun extract alone: no (a), (b), (c), and no HF copy of the model in memory")
+    parser.add_argument(
+        "--skip-baselines",
+        action="store_true",
+        help="time nnrun extract alone: no (a), (b), (c), and no HF copy of the model in memory",
+    )
     parser.add_argument("--profile", action="store_true", help="also: where the extraction job's time goes")
     parser.add_argument("--repeats", type=int, default=1, help="rounds; each contender's best time counts")
     parser.add_argument("--threads", type=int, default=None)
@@ -327,17 +353,27 @@ def main() -> None:
     config = llama_30m_config()
     if args.engines:
         prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, config.vocab_size)
-        print(f"model: dummy Llama 30M on {args.device}; {len(prompts)} prompts, {sum(map(len, prompts))} tokens; "
-              f"module {args.module}; {os.cpu_count()} CPUs")
+        print(
+            f"model: dummy Llama 30M on {args.device}; {len(prompts)} prompts, {sum(map(len, prompts))} tokens; "
+            f"module {args.module}; {os.cpu_count()} CPUs"
+        )
         compare_engines(config, prompts, args)
         return
-    llm = nnrun.LLM(config, load_format="dummy", device=args.device, dtype="float32",
-                    max_num_batched_tokens=args.batch_tokens, max_total_tokens=max(args.batch_tokens, args.max_len))
+    llm = nnrun.LLM(
+        config,
+        load_format="dummy",
+        device=args.device,
+        dtype="float32",
+        max_num_batched_tokens=args.batch_tokens,
+        max_total_tokens=max(args.batch_tokens, args.max_len),
+    )
     prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, config.vocab_size)
     num_tokens = sum(map(len, prompts))
     params = sum(p.numel() for p in llm.model.parameters())
-    print(f"model: dummy Llama, {params / 1e6:.1f}M params on {args.device}; {len(prompts)} prompts, "
-          f"{num_tokens} tokens; module {args.module}; torch threads {torch.get_num_threads()}")
+    print(
+        f"model: dummy Llama, {params / 1e6:.1f}M params on {args.device}; {len(prompts)} prompts, "
+        f"{num_tokens} tokens; module {args.module}; torch threads {torch.get_num_threads()}"
+    )
 
     contenders = {"extract": lambda batch: time_extract(llm, batch, args.module, args.shard_tokens)}
     if not args.skip_baselines:
@@ -356,8 +392,12 @@ def main() -> None:
         for name, run in contenders.items():
             wall_s, cpu_s = run(prompts)
             wall[name], cpu[name] = min(wall.get(name, wall_s), wall_s), min(cpu.get(name, cpu_s), cpu_s)
-    names = {"extract": "nnrun extract", "forward": "(a) nnrun forward, no hooks",
-             "hf": f"(b) HF padded x{args.hf_batch_size} + hook", "nnsight": f"(c) nnsight {args.hf_batch_size} invokes"}
+    names = {
+        "extract": "nnrun extract",
+        "forward": "(a) nnrun forward, no hooks",
+        "hf": f"(b) HF padded x{args.hf_batch_size} + hook",
+        "nnsight": f"(c) nnsight {args.hf_batch_size} invokes",
+    }
     clocks = {"wall": wall} if args.device.startswith("cuda") else {"wall": wall, "cpu-time": cpu}
     for clock, seconds in clocks.items():
         rate = {name: num_tokens / s for name, s in seconds.items()}
@@ -369,8 +409,10 @@ def main() -> None:
         profile_extract(llm, prompts, args.module, args.shard_tokens)
     depth = _layer_of(args.module)
     if depth is not None and depth + 1 < config.num_hidden_layers:
-        print(f"note: extraction stops each forward after {args.module} ({depth + 1} of "
-              f"{config.num_hidden_layers} layers); (a), (b) and (c) run the whole model")
+        print(
+            f"note: extraction stops each forward after {args.module} ({depth + 1} of "
+            f"{config.num_hidden_layers} layers); (a), (b) and (c) run the whole model"
+        )
     llm.shutdown()
 
 

@@ -36,18 +36,26 @@ from typing import Callable, Iterator
 
 import torch
 import transformers
+from common import decode_step_bytes, device_peaks, left_padded, prefill_flops, random_prompts, shape_config
 from transformers import AutoModelForCausalLM
 
 import nnrun
-from common import decode_step_bytes, device_peaks, left_padded, prefill_flops, random_prompts, shape_config
 from nnrun.config import resolve_dtype
 
 SECTIONS = ("prefill", "decode", "extract")
-GPU_DEFAULTS = {"batches": "1,16,64,256", "prompt_len": 512, "decode_prompt_len": 128, "new_tokens": 128,
-                "extract_prompts": 10000}
+GPU_DEFAULTS = {
+    "batches": "1,16,64,256",
+    "prompt_len": 512,
+    "decode_prompt_len": 128,
+    "new_tokens": 128,
+    "extract_prompts": 10000,
+}
 CPU_DEFAULTS = {"batches": "1,4", "prompt_len": 64, "decode_prompt_len": 16, "new_tokens": 8, "extract_prompts": 64}
-TABLE_COLUMNS = {"prefill": ("batch", "prompt tok/s", "MFU"), "decode": ("batch", "decode tok/s", "MBU"),
-                 "extract": ("prompts", "prompt tok/s", None)}  # (first column, unit, nnrun's utilization)
+TABLE_COLUMNS = {
+    "prefill": ("batch", "prompt tok/s", "MFU"),
+    "decode": ("batch", "decode tok/s", "MBU"),
+    "extract": ("prompts", "prompt tok/s", None),
+}  # (first column, unit, nnrun's utilization)
 
 
 def best_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -89,8 +97,14 @@ def hf_prefill(model: torch.nn.Module, prompts: list[list[int]], chunk: int) -> 
 def hf_generate(model: torch.nn.Module, prompts: list[list[int]], chunk: int, new_tokens: int) -> None:
     for batch in in_chunks(prompts, chunk):
         ids, mask = left_padded(batch)
-        model.generate(ids.to(model.device), attention_mask=mask.to(model.device), do_sample=False,
-                       max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        model.generate(
+            ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
 
 
 @torch.no_grad()
@@ -132,11 +146,15 @@ def run_prefill(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, fl
         if not args.skip_hf:
             with stock_sdpa(llm.model):
                 hf_prefill(llm.model, prompts, args.hf_max_batch)  # warm-up
-                hf_seconds = best_seconds(lambda: hf_prefill(llm.model, prompts, args.hf_max_batch),
-                                          args.device, args.repeats)
+                hf_seconds = best_seconds(
+                    lambda: hf_prefill(llm.model, prompts, args.hf_max_batch), args.device, args.repeats
+                )
         flops = prefill_flops(llm.model.config, [len(p) for p in prompts])
-        rows.append(result_row(batch, batch * args.prompt_len, seconds, hf_seconds,
-                               flops / seconds / peaks[0] if peaks else None))
+        rows.append(
+            result_row(
+                batch, batch * args.prompt_len, seconds, hf_seconds, flops / seconds / peaks[0] if peaks else None
+            )
+        )
     return rows
 
 
@@ -180,17 +198,26 @@ def run_extract(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, fl
     if not args.skip_hf:
         with stock_sdpa(llm.model):
             hf_extract(llm.model, prompts[: args.hf_extract_batch], module, args.hf_extract_batch)  # warm-up
-            hf_seconds = best_seconds(lambda: hf_extract(llm.model, prompts, module, args.hf_extract_batch),
-                                      args.device, args.repeats)
-    print(f"extract: {module} of {llm.model.config.num_hidden_layers} layers to disk; HF: padded batches of "
-          f"{args.hf_extract_batch}, whole model")
+            hf_seconds = best_seconds(
+                lambda: hf_extract(llm.model, prompts, module, args.hf_extract_batch), args.device, args.repeats
+            )
+    print(
+        f"extract: {module} of {llm.model.config.num_hidden_layers} layers to disk; HF: padded batches of "
+        f"{args.hf_extract_batch}, whole model"
+    )
     return [result_row(len(prompts), sum(map(len, prompts)), seconds, hf_seconds, None)]
 
 
 def result_row(size: int, tokens: int, seconds: float, hf_seconds: float | None, utilization: float | None) -> dict:
     """One table row: nnrun and HF tokens/s over the same `tokens`, their ratio, nnrun's MFU or MBU."""
-    row = {"size": size, "tokens": tokens, "nnrun_tok_s": tokens / seconds, "hf_tok_s": None, "ratio": None,
-           "utilization": utilization}
+    row = {
+        "size": size,
+        "tokens": tokens,
+        "nnrun_tok_s": tokens / seconds,
+        "hf_tok_s": None,
+        "ratio": None,
+        "utilization": utilization,
+    }
     if hf_seconds is not None:
         row["hf_tok_s"] = tokens / hf_seconds
         row["ratio"] = hf_seconds / seconds
@@ -202,9 +229,13 @@ def print_table(section: str, rows: list[dict]) -> None:
     header = [size, "tokens", f"nnrun {unit}", f"HF {unit}", "ratio"] + ([metric] if metric else [])
     print(f"\n## {section}\n\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
     for row in rows:
-        cells = [str(row["size"]), str(row["tokens"]), f"{row['nnrun_tok_s']:.0f}",
-                 "-" if row["hf_tok_s"] is None else f"{row['hf_tok_s']:.0f}",
-                 "-" if row["ratio"] is None else f"{row['ratio']:.2f}x"]
+        cells = [
+            str(row["size"]),
+            str(row["tokens"]),
+            f"{row['nnrun_tok_s']:.0f}",
+            "-" if row["hf_tok_s"] is None else f"{row['hf_tok_s']:.0f}",
+            "-" if row["ratio"] is None else f"{row['ratio']:.2f}x",
+        ]
         if metric:
             cells.append("n/a" if row["utilization"] is None else f"{row['utilization']:.1%}")
         print("| " + " | ".join(cells) + " |")
@@ -225,8 +256,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--hf-max-batch", type=int, default=256, help="prompts per HF call in prefill and decode")
     parser.add_argument("--hf-extract-batch", type=int, default=32, help="prompts per HF padded batch in extract")
     parser.add_argument("--batch-tokens", type=int, default=16384, help="engine max_num_batched_tokens")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
-                        help="share of the GPU the engine may fill (vLLM's meaning); the rest is the HF baselines'")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.5,
+        help="share of the GPU the engine may fill (vLLM's meaning); the rest is the HF baselines'",
+    )
     parser.add_argument("--attention-backend", default="auto", choices=("auto", "torch", "flashinfer"))
     parser.add_argument("--enable-cuda-graphs", dest="cuda_graphs", action="store_true", default=True)
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
@@ -253,9 +288,16 @@ def build_engine(args: argparse.Namespace) -> nnrun.LLM:
     torch.manual_seed(0)
     with args.device:
         model = AutoModelForCausalLM.from_config(shape_config(args.shape), attn_implementation="sdpa", dtype=dtype)
-    return nnrun.LLM(model.eval(), device=str(args.device), dtype=dtype, max_num_seqs=max(args.batches),
-                     max_num_batched_tokens=args.batch_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
-                     enable_cuda_graphs=args.cuda_graphs, attention_backend=args.attention_backend)
+    return nnrun.LLM(
+        model.eval(),
+        device=str(args.device),
+        dtype=dtype,
+        max_num_seqs=max(args.batches),
+        max_num_batched_tokens=args.batch_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_cuda_graphs=args.cuda_graphs,
+        attention_backend=args.attention_backend,
+    )
 
 
 def describe_machine(llm: nnrun.LLM, args: argparse.Namespace) -> dict:
@@ -264,16 +306,27 @@ def describe_machine(llm: nnrun.LLM, args: argparse.Namespace) -> dict:
     device_name = torch.cuda.get_device_name(args.device) if is_cuda else f"cpu ({platform.machine()})"
     params = sum(p.numel() for p in llm.model.parameters())
     graphs = getattr(llm.runner, "graph_runner", None)
-    machine = {"device": device_name, "torch": torch.__version__, "transformers": transformers.__version__,
-               "attention_backend": llm.runner.attn_backend.name, "cuda_graphs_requested": args.cuda_graphs,
-               "cuda_graph_batch_sizes": graphs.batch_sizes if graphs is not None else None,
-               "dtype": str(llm.model.dtype), "params": params, "kv_pool_tokens": llm.runner.max_total_tokens,
-               "command": "python " + shlex.join(sys.argv)}
-    print(f"device: {device_name}; torch {torch.__version__}; transformers {transformers.__version__}; "
-          f"attention backend {machine['attention_backend']}; decode CUDA graphs captured for batch sizes "
-          f"{machine['cuda_graph_batch_sizes'] or 'none'} (requested: {args.cuda_graphs})")
-    print(f"model: dummy Llama {args.shape}, {params / 1e6:.1f}M params, {llm.model.dtype}; "
-          f"KV pool {machine['kv_pool_tokens']} tokens")
+    machine = {
+        "device": device_name,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "attention_backend": llm.runner.attn_backend.name,
+        "cuda_graphs_requested": args.cuda_graphs,
+        "cuda_graph_batch_sizes": graphs.batch_sizes if graphs is not None else None,
+        "dtype": str(llm.model.dtype),
+        "params": params,
+        "kv_pool_tokens": llm.runner.max_total_tokens,
+        "command": "python " + shlex.join(sys.argv),
+    }
+    print(
+        f"device: {device_name}; torch {torch.__version__}; transformers {transformers.__version__}; "
+        f"attention backend {machine['attention_backend']}; decode CUDA graphs captured for batch sizes "
+        f"{machine['cuda_graph_batch_sizes'] or 'none'} (requested: {args.cuda_graphs})"
+    )
+    print(
+        f"model: dummy Llama {args.shape}, {params / 1e6:.1f}M params, {llm.model.dtype}; "
+        f"KV pool {machine['kv_pool_tokens']} tokens"
+    )
     print(f"command: {machine['command']}")
     return machine
 
@@ -286,8 +339,10 @@ def main() -> None:
     report = {"machine": describe_machine(llm, args), "sections": {}, "elapsed_s": {}}
     is_half = llm.model.dtype in (torch.bfloat16, torch.float16)
     peaks = device_peaks(report["machine"]["device"]) if args.device.type == "cuda" and is_half else None
-    print(f"peaks (FLOP/s, bytes/s): {peaks or 'n/a'}; engine built in {time.perf_counter() - start:.1f} s "
-          "(KV sizing and graph capture run steps: FlashInfer may compile here)")
+    print(
+        f"peaks (FLOP/s, bytes/s): {peaks or 'n/a'}; engine built in {time.perf_counter() - start:.1f} s "
+        "(KV sizing and graph capture run steps: FlashInfer may compile here)"
+    )
     runners = {"prefill": run_prefill, "decode": run_decode, "extract": run_extract}
     for section in args.only:
         start = time.perf_counter()

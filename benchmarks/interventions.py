@@ -28,19 +28,26 @@ import time
 import warnings
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
 from common import interleaved_runs, left_padded
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 WORDS = ["the", "tower", "is", "in", "city", "of", "paris", "rome", "a", "big", "old", "river"]
 
 
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 4,
-                         num_hidden_layers=args.layers, num_attention_heads=max(1, args.hidden // 64),
-                         num_key_value_heads=max(1, args.hidden // 128), max_position_embeddings=1024,
-                         pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=max(1, args.hidden // 64),
+        num_key_value_heads=max(1, args.hidden // 128),
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = None
     return model
@@ -144,8 +151,14 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> None:
     """HF `generate`: one left-padded batch of every prompt, greedy, exactly `max_new_tokens` each."""
     ids, mask = left_padded(prompts)
     with torch.no_grad():
-        model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                       do_sample=False, pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
 
 
 def engine_greedy(llm, prompts: list[list[int]], max_new_tokens: int) -> None:
@@ -174,16 +187,21 @@ def target_workloads(args, oracle, hf_model, ours, tokenizer) -> dict[str, tuple
     both = lambda fn, *a: (lambda: fn(oracle, *a), lambda: fn(ours, *a), "nnsight+HF")  # noqa: E731
     workloads = {
         f"patching sweep: 1 clean + {layers * patch_positions} patched invokes, one trace": both(
-            patch_all_in_one_trace, clean, corrupt, layers, patch_positions),
+            patch_all_in_one_trace, clean, corrupt, layers, patch_positions
+        ),
         "16 equal-length invokes saving a layer, one trace": both(save_in_invokes, equal[:16], layers),
         "64 equal-length invokes saving a layer, one trace": both(save_in_invokes, equal, layers),
         f"greedy generation 16 prompts x {gen_len}, small Llama": (
-            lambda: hf_greedy(hf_model, mixed_ids, gen_len), lambda: engine_greedy(ours.engine, mixed_ids, gen_len),
-            "HF generate"),
+            lambda: hf_greedy(hf_model, mixed_ids, gen_len),
+            lambda: engine_greedy(ours.engine, mixed_ids, gen_len),
+            "HF generate",
+        ),
         f"steered generation 16 mixed-length invokes x {gen_len} (all())": both(
-            steered_generate_invokes, mixed, 1, vector, gen_len),
+            steered_generate_invokes, mixed, 1, vector, gen_len
+        ),
         f"steered generation 16 mixed-length prompts x {gen_len}, one invoke": both(
-            steered_generate, mixed, 1, vector, gen_len),
+            steered_generate, mixed, 1, vector, gen_len
+        ),
     }
     for length in (8, 64, 512):
         workloads[f"single trace, {length} tokens"] = both(single_trace, prompt(400 + length, length), 1)
@@ -198,8 +216,15 @@ def gpt2_workload(args) -> tuple:
     llm = nnrun.LLM(copy.deepcopy(hf))
     prompts = [[(17 * i + 31 * j) % 50000 + 1 for j in range(8 + (i * 7) % 25)] for i in range(16)]
     name = f"greedy generation 16 prompts x {args.gen_tokens}, GPT-2-small shape"
-    return name, (lambda: hf_greedy(hf, prompts, args.gen_tokens), lambda: engine_greedy(llm, prompts, args.gen_tokens),
-                  "HF generate"), llm
+    return (
+        name,
+        (
+            lambda: hf_greedy(hf, prompts, args.gen_tokens),
+            lambda: engine_greedy(llm, prompts, args.gen_tokens),
+            "HF generate",
+        ),
+        llm,
+    )
 
 
 def run_targets(args, oracle, hf_model, ours, tokenizer) -> None:
@@ -208,16 +233,21 @@ def run_targets(args, oracle, hf_model, ours, tokenizer) -> None:
     if not args.skip_gpt2:
         name, entry, cleanup = gpt2_workload(args)
         workloads[name] = entry
-    print(f"\nissue 15 targets, {args.reps} interleaved rounds (speedup = baseline s / nnrun s; >= 1.0 means nnrun "
-          "is faster): of the medians, and of the best rounds (load on a shared CPU only ever adds time)")
+    print(
+        f"\nissue 15 targets, {args.reps} interleaved rounds (speedup = baseline s / nnrun s; >= 1.0 means nnrun "
+        "is faster): of the medians, and of the best rounds (load on a shared CPU only ever adds time)"
+    )
     print(f"{'workload':64s} {'baseline':>11s} {'base s':>8s} {'nnrun s':>8s} {'speedup':>8s} {'best':>6s}")
     for name, (baseline, theirs_or_ours, baseline_name) in workloads.items():
         baseline()  # warm up both
         theirs_or_ours()
         base_times, our_times = interleaved_runs(baseline, theirs_or_ours, args.reps)
         base_time, our_time = statistics.median(base_times), statistics.median(our_times)
-        print(f"{name:64s} {baseline_name:>11s} {base_time:8.3f} {our_time:8.3f} {base_time / our_time:8.2f} "
-              f"{min(base_times) / min(our_times):6.2f}", flush=True)
+        print(
+            f"{name:64s} {baseline_name:>11s} {base_time:8.3f} {our_time:8.3f} {base_time / our_time:8.2f} "
+            f"{min(base_times) / min(our_times):6.2f}",
+            flush=True,
+        )
     if cleanup is not None:
         cleanup.shutdown()
 
@@ -300,15 +330,22 @@ def main() -> None:
         return
     workloads = {
         f"patching sweep ({args.layers} layers x {args.prompt_len} positions)": (
-            patch_one, sweep_tasks(args, tokenizer)),
+            patch_one,
+            sweep_tasks(args, tokenizer),
+        ),
         f"patching sweep in one trace of {args.layers * args.prompt_len + 1} invokes": (
-            patch_all_in_one_trace, [(prompt(1, args.prompt_len), prompt(2, args.prompt_len), args.layers,
-                                      args.prompt_len)]),
+            patch_all_in_one_trace,
+            [(prompt(1, args.prompt_len), prompt(2, args.prompt_len), args.layers, args.prompt_len)],
+        ),
         f"{args.num_traces} traces saving one layer": (
-            save_one, [(prompt(100 + i, 8 + i % 9), i % args.layers) for i in range(args.num_traces)]),
+            save_one,
+            [(prompt(100 + i, 8 + i % 9), i % args.layers) for i in range(args.num_traces)],
+        ),
     }
-    print(f"model: Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, device {args.device}, "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"model: Llama {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, device {args.device}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     print(f"{'workload':64s} {'nnsight+HF s':>13s} {'nnrun s':>9s} {'ratio':>7s}   (ratio = nnrun / nnsight+HF)")
     for name, (fn, tasks) in workloads.items():
         fn(oracle, *tasks[0])  # warm up both
@@ -320,8 +357,10 @@ def main() -> None:
         if len(tasks) > 1:
             thr_time, threaded = run_threads(fn, tasks, ours, args.threads)
             check_same(name, expected, threaded)
-            print(f"{name + f', nnrun {args.threads} threads':64s} {hf_time:13.3f} {thr_time:9.3f} "
-                  f"{thr_time / hf_time:7.2f}")
+            print(
+                f"{name + f', nnrun {args.threads} threads':64s} {hf_time:13.3f} {thr_time:9.3f} "
+                f"{thr_time / hf_time:7.2f}"
+            )
     ours.shutdown()
 
 

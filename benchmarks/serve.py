@@ -80,9 +80,18 @@ def run_client(args: argparse.Namespace) -> None:
         began = time.perf_counter()
         one_trace(model, PROMPTS[i % len(PROMPTS)], i % 4)
         latencies.append(time.perf_counter() - began)
-    Path(args.out).write_text(json.dumps({"latencies": latencies, "start": start, "end": time.perf_counter(),
-                                          "wall_start": time.time() - (time.perf_counter() - start),
-                                          "rss_mb": rss_mb(), "cpu_s": _self_cpu_s() - cpu_start}))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "latencies": latencies,
+                "start": start,
+                "end": time.perf_counter(),
+                "wall_start": time.time() - (time.perf_counter() - start),
+                "rss_mb": rss_mb(),
+                "cpu_s": _self_cpu_s() - cpu_start,
+            }
+        )
+    )
 
 
 def _self_cpu_s() -> float:
@@ -121,8 +130,9 @@ def requests_per_forward(before: dict, after: dict) -> float:
     return (after["batched_requests"] - before["batched_requests"]) / forwards if forwards else 0.0
 
 
-def run_processes(target: str, num_clients: int, args: argparse.Namespace, workdir: Path,
-                  counters: Callable[[], dict] | None = None) -> dict:
+def run_processes(
+    target: str, num_clients: int, args: argparse.Namespace, workdir: Path, counters: Callable[[], dict] | None = None
+) -> dict:
     """N client processes against `target` (a server URL, or "separate"); their traces/s, latencies, RSS.
 
     `counters`: the server's step counters, read when the timed traces start and when they end.
@@ -130,9 +140,27 @@ def run_processes(target: str, num_clients: int, args: argparse.Namespace, workd
     start_file = workdir / f"start-{target.replace('/', '_')}-{num_clients}"
     outs = [workdir / f"out-{num_clients}-{i}-{abs(hash(target))}.json" for i in range(num_clients)]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.client_threads))
-    procs = [subprocess.Popen([sys.executable, __file__, "--client", target, "--model", args.model,
-                               "--traces", str(args.traces), "--out", str(out), "--start", str(start_file)],
-                              cwd=REPO, env=env) for out in outs]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--client",
+                target,
+                "--model",
+                args.model,
+                "--traces",
+                str(args.traces),
+                "--out",
+                str(out),
+                "--start",
+                str(start_file),
+            ],
+            cwd=REPO,
+            env=env,
+        )
+        for out in outs
+    ]
     try:
         for proc in procs:
             pin(proc.pid, cpu_sets(args)[1])
@@ -182,25 +210,33 @@ def run_in_process(model, num_threads: int, args: argparse.Namespace) -> dict:
         pin(os.getpid(), ALL_CPUS)  # back to every CPU: the next clients' set-up is not timed
     cpu_ms = (_self_cpu_s() - cpu_began) * 1000 / len(latencies)
     return summary(len(latencies), time.perf_counter() - began, sorted(latencies)) | {
-        "cpu_ms": cpu_ms, "requests_per_forward": requests_per_forward(counted, model.engine.step_counters())}
+        "cpu_ms": cpu_ms,
+        "requests_per_forward": requests_per_forward(counted, model.engine.step_counters()),
+    }
 
 
 def summary(count: int, seconds: float, latencies: list[float]) -> dict:
     def pct(q: float) -> float:
         return latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000
 
-    return {"traces_per_s": count / seconds, "p50_ms": pct(0.5), "p99_ms": pct(0.99),
-            "mean_ms": statistics.mean(latencies) * 1000}
+    return {
+        "traces_per_s": count / seconds,
+        "p50_ms": pct(0.5),
+        "p99_ms": pct(0.99),
+        "mean_ms": statistics.mean(latencies) * 1000,
+    }
 
 
-def one_round(url: str, server: subprocess.Popen, local, num_clients: int, args: argparse.Namespace,
-              workdir: Path) -> tuple[dict, dict]:
+def one_round(
+    url: str, server: subprocess.Popen, local, num_clients: int, args: argparse.Namespace, workdir: Path
+) -> tuple[dict, dict]:
     """N client processes against the server, then N threads in-process: (served, in-process) figures."""
     import httpx
 
     server_cpu = cpu_s(server.pid)
-    served = run_processes(url, num_clients, args, workdir,
-                           counters=lambda: httpx.get(f"{url}/health", timeout=10).json())
+    served = run_processes(
+        url, num_clients, args, workdir, counters=lambda: httpx.get(f"{url}/health", timeout=10).json()
+    )
     # The server's CPU over the whole run (the clients' warm-up trace included: one each).
     served["server_cpu_ms"] = (cpu_s(server.pid) - server_cpu) * 1000 / (num_clients * (args.traces + 1))
     served["server_rss_mb"] = rss_mb(server.pid)
@@ -209,23 +245,31 @@ def one_round(url: str, server: subprocess.Popen, local, num_clients: int, args:
 
 def print_round(num_clients: int, served: dict, inproc: dict) -> None:
     ratio = served["traces_per_s"] / inproc["traces_per_s"]
-    print(f"{num_clients:>3} clients | served {served['traces_per_s']:7.1f} traces/s p50 "
-          f"{served['p50_ms']:6.1f} ms p99 {served['p99_ms']:6.1f} ms | in-process (threads) "
-          f"{inproc['traces_per_s']:7.1f} traces/s p50 {inproc['p50_ms']:6.1f} ms p99 "
-          f"{inproc['p99_ms']:6.1f} ms | served/in-process {ratio:.2f}x")
-    print(f"{'':>3}         | CPU per trace: server {served['server_cpu_ms']:.1f} ms + client "
-          f"{served['client_cpu_ms']:.1f} ms vs in-process {inproc['cpu_ms']:.1f} ms "
-          f"({os.cpu_count()} cores here); requests per engine forward: served "
-          f"{served['requests_per_forward']:.1f} vs in-process {inproc['requests_per_forward']:.1f}", flush=True)
+    print(
+        f"{num_clients:>3} clients | served {served['traces_per_s']:7.1f} traces/s p50 "
+        f"{served['p50_ms']:6.1f} ms p99 {served['p99_ms']:6.1f} ms | in-process (threads) "
+        f"{inproc['traces_per_s']:7.1f} traces/s p50 {inproc['p50_ms']:6.1f} ms p99 "
+        f"{inproc['p99_ms']:6.1f} ms | served/in-process {ratio:.2f}x"
+    )
+    print(
+        f"{'':>3}         | CPU per trace: server {served['server_cpu_ms']:.1f} ms + client "
+        f"{served['client_cpu_ms']:.1f} ms vs in-process {inproc['cpu_ms']:.1f} ms "
+        f"({os.cpu_count()} cores here); requests per engine forward: served "
+        f"{served['requests_per_forward']:.1f} vs in-process {inproc['requests_per_forward']:.1f}",
+        flush=True,
+    )
 
 
 def print_separate(num_clients: int, served: dict, separate: dict) -> None:
-    print(f"{'':>3}         | memory: server {served['server_rss_mb']:.0f} MB + clients "
-          f"{served['rss_mb']:.0f} MB = {served['server_rss_mb'] + served['rss_mb']:.0f} MB vs "
-          f"{num_clients} separate nnsight+HF processes {separate['rss_mb']:.0f} MB; separate "
-          f"{separate['traces_per_s']:.1f} traces/s p50 {separate['p50_ms']:.1f} ms p99 "
-          f"{separate['p99_ms']:.1f} ms ({separate['traces_per_s'] / served['traces_per_s']:.2f}x "
-          f"served), CPU per trace {separate['client_cpu_ms']:.1f} ms", flush=True)
+    print(
+        f"{'':>3}         | memory: server {served['server_rss_mb']:.0f} MB + clients "
+        f"{served['rss_mb']:.0f} MB = {served['server_rss_mb'] + served['rss_mb']:.0f} MB vs "
+        f"{num_clients} separate nnsight+HF processes {separate['rss_mb']:.0f} MB; separate "
+        f"{separate['traces_per_s']:.1f} traces/s p50 {separate['p50_ms']:.1f} ms p99 "
+        f"{separate['p99_ms']:.1f} ms ({separate['traces_per_s'] / served['traces_per_s']:.2f}x "
+        f"served), CPU per trace {separate['client_cpu_ms']:.1f} ms",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -235,8 +279,12 @@ def main() -> None:
     parser.add_argument("--traces", type=int, default=50, help="traces per client")
     parser.add_argument("--separate", action="store_true", help="also N processes with their own nnsight+HF model")
     parser.add_argument("--client-threads", type=int, default=1, help="torch threads per client process")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="served and in-process runs alternated this many times per N; the median ratio is printed")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="served and in-process runs alternated this many times per N; the median ratio is printed",
+    )
     parser.add_argument("--pin", action="store_true", help="server and in-process run on CPU 0, clients on the rest")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--client", help=argparse.SUPPRESS)
@@ -256,8 +304,22 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "nnrun.cli", "serve", args.model, "--port", str(port),
-                               "--log-level", "warning", "--max-in-flight", str(4 * max(args.clients))], cwd=REPO)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nnrun.cli",
+            "serve",
+            args.model,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--max-in-flight",
+            str(4 * max(args.clients)),
+        ],
+        cwd=REPO,
+    )
     pin(server.pid, cpu_sets(args)[0])  # before it starts its threads: they inherit it
     local = nnrun.LanguageModel(args.model)
     try:
@@ -273,8 +335,10 @@ def main() -> None:
             time.sleep(0.2)
         run_in_process(local, 1, args)  # warm-up
         weights_mb = sum(p.numel() * p.element_size() for p in local.engine.model.parameters()) / 2**20
-        print(f"model {args.model} ({weights_mb:.0f} MB of weights); {args.traces} traces per client; one prompt "
-              "each, one layer's last position saved")
+        print(
+            f"model {args.model} ({weights_mb:.0f} MB of weights); {args.traces} traces per client; one prompt "
+            "each, one layer's last position saved"
+        )
         with tempfile.TemporaryDirectory() as workdir:
             for num_clients in args.clients:
                 ratios = []
@@ -287,8 +351,10 @@ def main() -> None:
                     if args.separate:
                         print_separate(num_clients, served, run_processes("separate", num_clients, args, round_dir))
                 if args.rounds > 1:
-                    print(f"{num_clients:>3} clients | served/in-process over {args.rounds} alternated rounds: median "
-                          f"{statistics.median(ratios):.2f}x (each: {', '.join(f'{r:.2f}' for r in ratios)})")
+                    print(
+                        f"{num_clients:>3} clients | served/in-process over {args.rounds} alternated rounds: median "
+                        f"{statistics.median(ratios):.2f}x (each: {', '.join(f'{r:.2f}' for r in ratios)})"
+                    )
     finally:
         local.shutdown()
         server.terminate()

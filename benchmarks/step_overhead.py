@@ -20,10 +20,10 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
+from common import interleaved_times, left_padded
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import nnrun
-from common import interleaved_times, left_padded
 
 SECTIONS = ("schedule", "prepare", "plan", "model", "attention", "sample", "bookkeeping")
 
@@ -68,16 +68,33 @@ class StepTimer:
         s, steps = self.seconds, max(1, self.num_steps)
         model = s["model"] - s["plan"]
         rest = s["step"] - s["schedule"] - s["prepare"] - s["model"] - s["sample"]
-        parts = {"schedule": s["schedule"], "prepare": s["prepare"], "plan": s["plan"], "model": model,
-                 "attention": s["attention"], "sample": s["sample"], "bookkeeping": rest, "step": s["step"]}
+        parts = {
+            "schedule": s["schedule"],
+            "prepare": s["prepare"],
+            "plan": s["plan"],
+            "model": model,
+            "attention": s["attention"],
+            "sample": s["sample"],
+            "bookkeeping": rest,
+            "step": s["step"],
+        }
         return {name: 1e3 * value / steps for name, value in parts.items()}
 
 
 def llama(hidden: int, layers: int, vocab: int) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=max(1, hidden // 64), num_key_value_heads=max(1, hidden // 128),
-                         max_position_embeddings=1024, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        num_key_value_heads=max(1, hidden // 128),
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     model = LlamaForCausalLM(config).eval()
     model.generation_config.eos_token_id = None
     return model
@@ -89,15 +106,23 @@ def measure(name: str, model: LlamaForCausalLM, args: argparse.Namespace) -> Non
     hf = copy.deepcopy(model)
     llm = nnrun.LLM(model)
     timer = StepTimer(llm)
-    prompts = [[(7 * i + 3 * j) % (model.config.vocab_size - 2) + 2 for j in range(8 + (i * 7) % 25)]
-               for i in range(args.prompts)]
+    prompts = [
+        [(7 * i + 3 * j) % (model.config.vocab_size - 2) + 2 for j in range(8 + (i * 7) % 25)]
+        for i in range(args.prompts)
+    ]
     params = nnrun.SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     ids, mask = left_padded(prompts)
 
     def hf_generate() -> None:
         with torch.no_grad():
-            hf.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                        do_sample=False, pad_token_id=0)
+            hf.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=args.new_tokens,
+                min_new_tokens=args.new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
 
     def engine_generate() -> None:
         llm.generate(prompts, params)
@@ -109,16 +134,22 @@ def measure(name: str, model: LlamaForCausalLM, args: argparse.Namespace) -> Non
     per_step = timer.per_step_ms()
     wall_ms = 1e3 * our_time / (timer.num_steps / args.reps)
     fixed = per_step["schedule"] + per_step["prepare"] + per_step["plan"] + per_step["sample"] + per_step["bookkeeping"]
-    print(f"\n{name}: {args.prompts} prompts x {args.new_tokens} greedy tokens; HF generate {1e3 * hf_time:.1f} ms, "
-          f"nnrun {1e3 * our_time:.1f} ms, speedup {hf_time / our_time:.2f}x")
-    print(f"  per step: HF generate {1e3 * hf_time / args.new_tokens:.2f} ms | nnrun {wall_ms:.2f} ms wall (median run), "
-          f"engine step {per_step['step']:.2f} ms (mean over all runs)")
+    print(
+        f"\n{name}: {args.prompts} prompts x {args.new_tokens} greedy tokens; HF generate {1e3 * hf_time:.1f} ms, "
+        f"nnrun {1e3 * our_time:.1f} ms, speedup {hf_time / our_time:.2f}x"
+    )
+    print(
+        f"  per step: HF generate {1e3 * hf_time / args.new_tokens:.2f} ms | nnrun {wall_ms:.2f} ms wall (median run), "
+        f"engine step {per_step['step']:.2f} ms (mean over all runs)"
+    )
     for section in SECTIONS:
         share = per_step[section] / per_step["step"]
         note = " (inside model)" if section == "attention" else ""
         print(f"    {section:12s} {per_step[section]:7.3f} ms  {share:6.1%}{note}")
-    print(f"    fixed cost (schedule+prepare+plan+sample+bookkeeping) {fixed:.3f} ms = {fixed / per_step['step']:.1%} "
-          f"of the step")
+    print(
+        f"    fixed cost (schedule+prepare+plan+sample+bookkeeping) {fixed:.3f} ms = {fixed / per_step['step']:.1%} "
+        f"of the step"
+    )
     llm.shutdown()
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 
 import torch
+from common import left_padded, llama_30m_config, random_prompts, timed
 from transformers import AutoModelForCausalLM
 
 import nnrun
-from common import left_padded, llama_30m_config, random_prompts, timed
 
 
 def main() -> None:
@@ -36,8 +36,10 @@ def main() -> None:
     params = sum(p.numel() for p in hf.parameters())
     prompts = random_prompts(args.num_prompts, 16, 512, config.vocab_size)
     num_tokens = sum(map(len, prompts))
-    print(f"model: dummy Llama, {params / 1e6:.1f}M params; {len(prompts)} prompts, {num_tokens} tokens; "
-          f"torch threads {torch.get_num_threads()}")
+    print(
+        f"model: dummy Llama, {params / 1e6:.1f}M params; {len(prompts)} prompts, {num_tokens} tokens; "
+        f"torch threads {torch.get_num_threads()}"
+    )
 
     times: dict[str, float] = {}
     llm.generate(prompts[:4], nnrun.SamplingParams(max_tokens=1))  # warm-up
@@ -51,10 +53,14 @@ def main() -> None:
         for prompt in prompts:
             hf(torch.tensor([prompt]), logits_to_keep=1)
     rate = {name: num_tokens / seconds for name, seconds in times.items()}
-    print(f"prefill tokens/s: nnrun {rate['nnrun']:.0f} | HF padded x{args.hf_batch_size} {rate['hf_padded']:.0f} "
-          f"| HF one at a time {rate['hf_single']:.0f}")
-    print(f"prefill ratio: nnrun/HF-padded {rate['nnrun'] / rate['hf_padded']:.2f}x, "
-          f"nnrun/HF-single {rate['nnrun'] / rate['hf_single']:.2f}x")
+    print(
+        f"prefill tokens/s: nnrun {rate['nnrun']:.0f} | HF padded x{args.hf_batch_size} {rate['hf_padded']:.0f} "
+        f"| HF one at a time {rate['hf_single']:.0f}"
+    )
+    print(
+        f"prefill ratio: nnrun/HF-padded {rate['nnrun'] / rate['hf_padded']:.2f}x, "
+        f"nnrun/HF-single {rate['nnrun'] / rate['hf_single']:.2f}x"
+    )
 
     gen_prompts = prompts[: args.num_gen_prompts]
     new_tokens = len(gen_prompts) * args.max_new_tokens
@@ -65,11 +71,19 @@ def main() -> None:
     with torch.no_grad(), timed(gen, "hf_generate"):
         for start in range(0, len(gen_prompts), args.hf_batch_size):
             ids, mask = left_padded(gen_prompts[start : start + args.hf_batch_size])
-            hf.generate(ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
-                        min_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=0)
+            hf.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=args.max_new_tokens,
+                min_new_tokens=args.max_new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
     gen_rate = {name: new_tokens / seconds for name, seconds in gen.items()}
-    print(f"generation ({len(gen_prompts)} prompts x {args.max_new_tokens} new tokens) tokens/s: "
-          f"nnrun {gen_rate['nnrun']:.0f} | HF generate padded x{args.hf_batch_size} {gen_rate['hf_generate']:.0f}")
+    print(
+        f"generation ({len(gen_prompts)} prompts x {args.max_new_tokens} new tokens) tokens/s: "
+        f"nnrun {gen_rate['nnrun']:.0f} | HF generate padded x{args.hf_batch_size} {gen_rate['hf_generate']:.0f}"
+    )
     print(f"generation ratio: nnrun/HF-generate {gen_rate['nnrun'] / gen_rate['hf_generate']:.2f}x")
     llm.shutdown()
 

@@ -17,25 +17,31 @@ import tempfile
 import time
 
 import torch
+from common import random_prompts
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import nnrun
-from common import random_prompts
 from nnrun.tp import TensorParallelRunner
 
 
 def bench_config(hidden: int, layers: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=16384, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                       num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 128,
-                       max_position_embeddings=2048, tie_word_embeddings=False)
+    return LlamaConfig(
+        vocab_size=16384,
+        hidden_size=hidden,
+        intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=hidden // 128,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
 
 
 def run_workload(llm: nnrun.LLM, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, int]:
     """Seconds for one prefill pass and one greedy generation pass; tokens processed (prompt + generated)."""
     start = time.perf_counter()
     llm.generate(prompts, nnrun.SamplingParams(max_tokens=1, temperature=0.0))
-    outputs = llm.generate(prompts, nnrun.SamplingParams(max_tokens=max_new_tokens, temperature=0.0,
-                                                         ignore_eos=True))
+    outputs = llm.generate(prompts, nnrun.SamplingParams(max_tokens=max_new_tokens, temperature=0.0, ignore_eos=True))
     seconds = time.perf_counter() - start
     num_tokens = 2 * sum(map(len, prompts)) + sum(len(o.outputs[0].token_ids) for o in outputs)
     return seconds, num_tokens
@@ -52,8 +58,10 @@ def measure(engines: dict[str, nnrun.LLM], prompts: list[list[int]], args: argpa
             rates[name].append(num_tokens / seconds)
     medians = {name: statistics.median(values) for name, values in rates.items()}
     for name, values in rates.items():
-        print(f"{name:<28} {medians[name]:8.0f} tokens/s  (median of {args.rounds}: "
-              f"{', '.join(f'{v:.0f}' for v in values)})")
+        print(
+            f"{name:<28} {medians[name]:8.0f} tokens/s  (median of {args.rounds}: "
+            f"{', '.join(f'{v:.0f}' for v in values)})"
+        )
     return medians
 
 
@@ -65,9 +73,13 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of the one-process engine; a CPU rank gets this many divided by N "
-                             "(at least 1): one thread per rank mirrors one device per rank")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the one-process engine; a CPU rank gets this many divided by N "
+        "(at least 1): one thread per rank mirrors one device per rank",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -76,9 +88,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nnrun-tp-bench-") as checkpoint:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)
-        print(f"model: dummy Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, hidden "
-              f"{args.hidden}, {args.layers} layers; {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
-              f"{args.max_new_tokens} new tokens each; {torch.get_num_threads()} torch threads in this process")
+        print(
+            f"model: dummy Llama, {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M params, hidden "
+            f"{args.hidden}, {args.layers} layers; {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
+            f"{args.max_new_tokens} new tokens each; {torch.get_num_threads()} torch threads in this process"
+        )
         model.save_pretrained(checkpoint)
         del model
         options = dict(device=args.device, max_num_batched_tokens=4096)
@@ -99,9 +113,11 @@ def main() -> None:
 
     plain, split, two = rates.values()
     print(f"TP=2 / TP=1 throughput: {two / plain:.2f}x (the split alone, one rank: {split / plain:.2f}x)")
-    print(f"TP=2 rank 0 in collectives: {stats['collective_s']:.2f} s of {stats['wall_s']:.2f} s "
-          f"({100 * stats['collective_s'] / stats['wall_s']:.0f}%, {stats['num_collectives']:.0f} collectives, "
-          "profiled run; includes waiting for the other rank)")
+    print(
+        f"TP=2 rank 0 in collectives: {stats['collective_s']:.2f} s of {stats['wall_s']:.2f} s "
+        f"({100 * stats['collective_s'] / stats['wall_s']:.0f}%, {stats['num_collectives']:.0f} collectives, "
+        "profiled run; includes waiting for the other rank)"
+    )
 
 
 if __name__ == "__main__":

@@ -36,9 +36,8 @@ import time
 import warnings
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
 from interventions import build_tokenizer, prompt, run_threads
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 STEER_LAYER = 1
 
@@ -47,14 +46,30 @@ def build_model(arch: str, vocab: int, hidden: int, num_layers: int):
     """Random weights from a fixed seed; no EOS so every prompt generates exactly the tokens asked."""
     torch.manual_seed(0)
     if arch == "llama":
-        config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 4,
-                             num_hidden_layers=num_layers, num_attention_heads=max(1, hidden // 64),
-                             num_key_value_heads=max(1, hidden // 128), max_position_embeddings=1024,
-                             pad_token_id=0, bos_token_id=None, eos_token_id=None)
+        config = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=hidden * 4,
+            num_hidden_layers=num_layers,
+            num_attention_heads=max(1, hidden // 64),
+            num_key_value_heads=max(1, hidden // 128),
+            max_position_embeddings=1024,
+            pad_token_id=0,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
         model = LlamaForCausalLM(config)
     else:
-        config = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=num_layers, n_head=max(1, hidden // 64),
-                            n_positions=1024, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+        config = GPT2Config(
+            vocab_size=vocab,
+            n_embd=hidden,
+            n_layer=num_layers,
+            n_head=max(1, hidden // 64),
+            n_positions=1024,
+            pad_token_id=0,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
         model = GPT2LMHeadModel(config)
     model.generation_config.eos_token_id = None
     return model.eval()
@@ -72,8 +87,8 @@ def left_pad(tokenizer, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor, l
     ids = torch.zeros((len(rows), width), dtype=torch.int64)
     mask = torch.zeros((len(rows), width), dtype=torch.int64)
     for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row)
-        mask[i, width - len(row):] = 1
+        ids[i, width - len(row) :] = torch.tensor(row)
+        mask[i, width - len(row) :] = 1
     return ids, mask, [len(row) for row in rows]
 
 
@@ -90,6 +105,7 @@ def tl_single(bridge, ids: torch.Tensor, layer: int) -> list[torch.Tensor]:
 
 def tl_patch_batched(bridge, clean: torch.Tensor, corrupt: torch.Tensor, patches: list[tuple[int, int]]):
     """One forward: row 0 clean, row 1 + k the corrupt prompt with patch k copied from row 0."""
+
     def patch_layer(layer: int):
         rows = [(1 + k, position) for k, (at, position) in enumerate(patches) if at == layer]
 
@@ -97,6 +113,7 @@ def tl_patch_batched(bridge, clean: torch.Tensor, corrupt: torch.Tensor, patches
             for row, position in rows:
                 act[row, position] = act[0, position]
             return act
+
         return hook
 
     batch = torch.cat([clean, corrupt.expand(len(patches), -1)])
@@ -113,9 +130,11 @@ def tl_patch_loop(bridge, clean: torch.Tensor, corrupt: torch.Tensor, patches: l
         _, cache = bridge.run_with_cache(clean, names_filter=[resid_post(layer) for layer in layers])
         diffs = []
         for layer, position in patches:
+
             def hook(act, hook, layer=layer, position=position):
                 act[:, position] = cache[resid_post(layer)][:, position]
                 return act
+
             logits = bridge.run_with_hooks(corrupt, fwd_hooks=[(resid_post(layer), hook)])
             diffs.append(float(logits[0, -1, 2] - logits[0, -1, 3]))
     return diffs
@@ -128,12 +147,14 @@ def tl_save_batch(bridge, ids: torch.Tensor, mask: torch.Tensor, lengths: list[i
     def save_layer(layer: int):
         def hook(act, hook):  # [B, T_max, H]
             for row in range(layer, len(lengths), num_layers):
-                saved[row] = act[row:row + 1, act.shape[1] - lengths[row]:].clone()
+                saved[row] = act[row : row + 1, act.shape[1] - lengths[row] :].clone()
+
         return hook
 
     with torch.no_grad():
-        bridge.run_with_hooks(ids, attention_mask=mask,
-                              fwd_hooks=[(resid_post(layer), save_layer(layer)) for layer in range(num_layers)])
+        bridge.run_with_hooks(
+            ids, attention_mask=mask, fwd_hooks=[(resid_post(layer), save_layer(layer)) for layer in range(num_layers)]
+        )
     return saved
 
 
@@ -142,8 +163,15 @@ def tl_steered(bridge, ids: torch.Tensor, mask: torch.Tensor, vector: torch.Tens
         return act + vector
 
     with torch.no_grad(), bridge.hooks(fwd_hooks=[(resid_post(STEER_LAYER), steer)]):
-        out = bridge.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                              stop_at_eos=False, return_type="tokens", verbose=False)
+        out = bridge.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            stop_at_eos=False,
+            return_type="tokens",
+            verbose=False,
+        )
     return out[:, -max_new_tokens:]
 
 
@@ -230,7 +258,7 @@ def max_diff(expected, actual) -> float:
     if isinstance(expected, float):
         return abs(expected - actual)
     if expected.dim() == 3 and actual.shape[1] > expected.shape[1]:
-        actual = actual[:, -expected.shape[1]:]  # nnsight's invoke of a padded batch keeps the left padding
+        actual = actual[:, -expected.shape[1] :]  # nnsight's invoke of a padded batch keeps the left padding
     assert expected.shape == actual.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     return (expected.float() - actual.float()).abs().max().item()
 
@@ -240,7 +268,7 @@ def interleaved(thunks: dict, reps: int) -> dict[str, float]:
     names = list(thunks)
     times: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
             start = time.perf_counter()
             thunks[name]()
             times[name].append(time.perf_counter() - start)
@@ -264,27 +292,33 @@ def workloads(args, tokenizer, tl, ns, ours) -> dict[str, dict]:
         jobs[f"single trace saving a layer, {length} tokens"] = {
             "TL": lambda ids=ids: tl_single(tl, ids, 1),
             "nnsight": lambda text=text: nn_single(ns, text, 1),
-            "nnrun": lambda text=text: nn_single(ours, text, 1)}
+            "nnrun": lambda text=text: nn_single(ours, text, 1),
+        }
     jobs[f"patching sweep, 1 clean + {len(patches)} patched, one forward"] = {
         "TL": lambda: tl_patch_batched(tl, clean_ids, corrupt_ids, patches),
         "nnsight": lambda: nn_patch_batched(ns, clean, corrupt, patches),
-        "nnrun": lambda: nn_patch_batched(ours, clean, corrupt, patches)}
+        "nnrun": lambda: nn_patch_batched(ours, clean, corrupt, patches),
+    }
     jobs[f"patching sweep, clean cached + {len(patches)} one-prompt runs"] = {
         "TL": lambda: tl_patch_loop(tl, clean_ids, corrupt_ids, patches),
         "nnsight": lambda: nn_patch_loop(ns, clean, corrupt, patches),
-        "nnrun": lambda: nn_patch_loop(ours, clean, corrupt, patches)}
+        "nnrun": lambda: nn_patch_loop(ours, clean, corrupt, patches),
+    }
     jobs["64 mixed-length prompts (8..32) saving a layer, one forward"] = {
         "TL": lambda: tl_save_batch(tl, mixed_ids, mixed_mask, mixed_lens, num_layers),
         "nnsight": lambda: nn_save_invokes(ns, mixed, num_layers),
-        "nnrun": lambda: nn_save_invokes(ours, mixed, num_layers)}
+        "nnrun": lambda: nn_save_invokes(ours, mixed, num_layers),
+    }
     jobs[f"  same, nnrun as 64 traces from {args.threads} threads"] = {
         "TL": jobs["64 mixed-length prompts (8..32) saving a layer, one forward"]["TL"],
         "nnsight": jobs["64 mixed-length prompts (8..32) saving a layer, one forward"]["nnsight"],
-        "nnrun": lambda: nnrun_save_threads(ours, mixed, num_layers, args.threads)}
+        "nnrun": lambda: nnrun_save_threads(ours, mixed, num_layers, args.threads),
+    }
     jobs[f"steered greedy generation, 16 mixed-length prompts x {args.gen_tokens}"] = {
         "TL": lambda: tl_steered(tl, gen_ids, gen_mask, vector, args.gen_tokens),
         "nnsight": lambda: nn_steered(ns, mixed[:16], vector, args.gen_tokens),
-        "nnrun": lambda: nn_steered(ours, mixed[:16], vector, args.gen_tokens)}
+        "nnrun": lambda: nn_steered(ours, mixed[:16], vector, args.gen_tokens),
+    }
     return jobs
 
 
@@ -306,26 +340,34 @@ def main() -> None:
     torch.set_num_threads(args.torch_threads)
     warnings.simplefilter("ignore")
 
-    import nnsight
     from transformer_lens.model_bridge import TransformerBridge
+
+    import nnsight
 
     import nnrun
 
     tokenizer = build_tokenizer(args.vocab)
     model = build_model(args.arch, args.vocab, args.hidden, args.layers)
     # The bridge swaps in its own wrappers and eager attention on the model it gets: give it a copy.
-    tl = TransformerBridge.boot_transformers(f"random-{args.arch}", hf_model=copy.deepcopy(model),
-                                             tokenizer=tokenizer, device="cpu")
+    tl = TransformerBridge.boot_transformers(
+        f"random-{args.arch}", hf_model=copy.deepcopy(model), tokenizer=tokenizer, device="cpu"
+    )
     ns = nnsight.LanguageModel(copy.deepcopy(model), tokenizer=tokenizer)
     ours = nnrun.LanguageModel(model, tokenizer=tokenizer)
-    print(f"model: random {args.arch}, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32 CPU, "
-          f"torch {torch.__version__} ({torch.get_num_threads()} thread), transformer_lens "
-          f"{importlib.metadata.version('transformer-lens')}, "
-          f"nnsight {nnsight.__version__}")
-    print(f"median of {args.reps} interleaved rounds; 'x TL' = TL seconds / its seconds (> 1: faster than TL); "
-          f"'diff' = max |value - TL's value| (tokens: mismatching count)")
-    print(f"{'workload':66s} {'TL s':>7s} {'nnsight s':>9s} {'nnrun s':>8s} {'nnsight x TL':>12s} "
-          f"{'nnrun x TL':>10s} {'diff nnsight':>12s} {'diff nnrun':>10s}")
+    print(
+        f"model: random {args.arch}, {args.layers} layers, hidden {args.hidden}, vocab {args.vocab}, fp32 CPU, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} thread), transformer_lens "
+        f"{importlib.metadata.version('transformer-lens')}, "
+        f"nnsight {nnsight.__version__}"
+    )
+    print(
+        f"median of {args.reps} interleaved rounds; 'x TL' = TL seconds / its seconds (> 1: faster than TL); "
+        f"'diff' = max |value - TL's value| (tokens: mismatching count)"
+    )
+    print(
+        f"{'workload':66s} {'TL s':>7s} {'nnsight s':>9s} {'nnrun s':>8s} {'nnsight x TL':>12s} "
+        f"{'nnrun x TL':>10s} {'diff nnsight':>12s} {'diff nnrun':>10s}"
+    )
     try:
         for name, thunks in workloads(args, tokenizer, tl, ns, ours).items():
             results = {side: thunk() for side, thunk in thunks.items()}  # warm-up, and the values to compare
@@ -334,9 +376,12 @@ def main() -> None:
             else:
                 diffs = [max_diff(results["TL"], results[side]) for side in ("nnsight", "nnrun")]
             median = interleaved(thunks, args.reps)
-            print(f"{name:66s} {median['TL']:7.3f} {median['nnsight']:9.3f} {median['nnrun']:8.3f} "
-                  f"{median['TL'] / median['nnsight']:12.2f} {median['TL'] / median['nnrun']:10.2f} "
-                  f"{diffs[0]:12.2g} {diffs[1]:10.2g}", flush=True)
+            print(
+                f"{name:66s} {median['TL']:7.3f} {median['nnsight']:9.3f} {median['nnrun']:8.3f} "
+                f"{median['TL'] / median['nnsight']:12.2f} {median['TL'] / median['nnrun']:10.2f} "
+                f"{diffs[0]:12.2g} {diffs[1]:10.2g}",
+                flush=True,
+            )
     finally:
         ours.shutdown()
 

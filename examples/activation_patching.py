@@ -16,13 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-
-import nnrun
 from common import find_layout, parser, single_token_id, token_labels
 
+import nnrun
 
-def patched_logit_diff(model: Any, parts: Any, clean: str, corrupt: str, answer_ids: tuple[int, int],
-                       layer_idx: int, position: int) -> float:
+
+def patched_logit_diff(
+    model: Any, parts: Any, clean: str, corrupt: str, answer_ids: tuple[int, int], layer_idx: int, position: int
+) -> float:
     """logit(corrupt answer) - logit(clean answer) on `clean` with one residual state from `corrupt`."""
     layers = parts.layers
     with model.trace() as tracer:
@@ -45,8 +46,9 @@ def baseline_logit_diffs(model: Any, parts: Any, clean: str, corrupt: str, answe
     return [(logits[answer_ids[1]] - logits[answer_ids[0]]).item() for logits in (clean_logits, corrupt_logits)]
 
 
-def patching_sweep(model: Any, parts: Any, clean: str, corrupt: str, answer_ids: tuple[int, int],
-                   num_tokens: int, num_workers: int) -> torch.Tensor:
+def patching_sweep(
+    model: Any, parts: Any, clean: str, corrupt: str, answer_ids: tuple[int, int], num_tokens: int, num_workers: int
+) -> torch.Tensor:
     """Raw patched logit differences, `[num_layers, num_tokens]`, one trace per cell from `num_workers` threads."""
     cells = [(layer_idx, position) for layer_idx in range(len(parts.layers)) for position in range(num_tokens)]
     with ThreadPoolExecutor(num_workers) as pool:
@@ -65,10 +67,18 @@ def plot(scores: torch.Tensor, labels: list[str], title: str, path: str) -> None
     num_layers, num_tokens = scores.shape
     fig, ax = plt.subplots(figsize=(1.0 + 0.75 * num_tokens, 1.2 + 0.5 * num_layers))
     image = ax.imshow(scores, cmap="Blues", vmin=0, vmax=1, aspect="auto", origin="lower")
-    for (layer_idx, position), value in zip(torch.cartesian_prod(torch.arange(num_layers), torch.arange(num_tokens)),
-                                            scores.flatten().tolist()):
-        ax.text(position, layer_idx, f"{round(value, 2) + 0.0:.2f}", ha="center", va="center", fontsize=8,
-                color="white" if value > 0.6 else "black")
+    for (layer_idx, position), value in zip(
+        torch.cartesian_prod(torch.arange(num_layers), torch.arange(num_tokens)), scores.flatten().tolist()
+    ):
+        ax.text(
+            position,
+            layer_idx,
+            f"{round(value, 2) + 0.0:.2f}",
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="white" if value > 0.6 else "black",
+        )
     ax.set_xticks(range(num_tokens), labels, rotation=45, ha="right")
     ax.set_yticks(range(num_layers), [str(i) for i in range(num_layers)])
     ax.set_xlabel("patched position (clean prompt's token)")
@@ -94,8 +104,10 @@ def main() -> None:
     parts = find_layout(model)
     clean_ids, corrupt_ids = (tokenizer(p)["input_ids"] for p in (args.clean, args.corrupt))
     if len(clean_ids) != len(corrupt_ids):
-        raise SystemExit(f"the prompts must have the same number of tokens to patch position by position; "
-                         f"they have {len(clean_ids)} and {len(corrupt_ids)}")
+        raise SystemExit(
+            f"the prompts must have the same number of tokens to patch position by position; "
+            f"they have {len(clean_ids)} and {len(corrupt_ids)}"
+        )
     answer_ids = (single_token_id(tokenizer, args.clean_answer), single_token_id(tokenizer, args.corrupt_answer))
     clean_diff, corrupt_diff = baseline_logit_diffs(model, parts, args.clean, args.corrupt, answer_ids)
     print(f"clean {args.clean!r}: logit({args.corrupt_answer!r}) - logit({args.clean_answer!r}) = {clean_diff:.2f}")
@@ -117,8 +129,10 @@ def main() -> None:
     print()
     for layer_idx in range(num_layers):
         position = int(scores[layer_idx].argmax())
-        print(f"block {layer_idx}: strongest at position {position} {labels[position]!r} "
-              f"({scores[layer_idx, position]:.2f})")
+        print(
+            f"block {layer_idx}: strongest at position {position} {labels[position]!r} "
+            f"({scores[layer_idx, position]:.2f})"
+        )
     if args.plot:
         plot(scores, labels, f"patching {args.corrupt!r} into {args.clean!r}", args.plot)
     model.shutdown()

@@ -51,8 +51,11 @@ def find_layout(model: Any) -> Layout:
 def parser(description: str) -> argparse.ArgumentParser:
     """An argument parser with the options every example takes: --model and --device."""
     result = argparse.ArgumentParser(description=description)
-    result.add_argument("--model", default="tiny-facts",
-                        help="a bundled model (tiny-facts, tiny-facts-gpt2), an HF hub id or a checkpoint folder")
+    result.add_argument(
+        "--model",
+        default="tiny-facts",
+        help="a bundled model (tiny-facts, tiny-facts-gpt2), an HF hub id or a checkpoint folder",
+    )
     result.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda")
     return result
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from common import layout_paths, module_path, parser
 
 import nnrun
-from common import layout_paths, module_path, parser
 from nnrun.assets import Fact, load_facts
 
 MIN_EXAMPLES_PER_COUNTRY = 4  # fewer cannot be spread over the folds
@@ -47,8 +47,9 @@ def extracted_modules(llm: nnrun.LLM) -> list[str]:
     return [embed_path] + [f"{layers_path}.{i}" for i in range(len(model.get_submodule(layers_path)))]
 
 
-def probe_accuracy(features: torch.Tensor, labels: torch.Tensor, num_folds: int = 5, ridge: float = 10.0,
-                   seed: int = 0) -> tuple[float, torch.Tensor]:
+def probe_accuracy(
+    features: torch.Tensor, labels: torch.Tensor, num_folds: int = 5, ridge: float = 10.0, seed: int = 0
+) -> tuple[float, torch.Tensor]:
     """Cross-validated accuracy of a ridge-regression linear classifier, and its held-out predictions.
 
     features: [num_examples, hidden]; labels: [num_examples] class indices. The folds are

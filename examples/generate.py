@@ -6,8 +6,9 @@ below batches its prompts in one continuous-batching engine.
 
 from __future__ import annotations
 
-import nnrun
 from common import parser
+
+import nnrun
 
 PROMPTS = ["The Eiffel Tower is in", "The capital of Japan is", "Wolfgang Mozart was a famous", "Anna reads"]
 
@@ -40,7 +41,9 @@ def main() -> None:
         text = ""
         for chunk in llm.generate_stream(PROMPTS[1], nnrun.SamplingParams(max_tokens=8, temperature=0)):
             completion = chunk.outputs[0]
-            print(f"   +{completion.text[len(text):]!r}" + (f" ({completion.finish_reason})" if chunk.finished else ""))
+            print(
+                f"   +{completion.text[len(text) :]!r}" + (f" ({completion.finish_reason})" if chunk.finished else "")
+            )
             text = completion.text
 
 

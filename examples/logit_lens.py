@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from common import find_layout, parser, token_labels
 
 import nnrun
-from common import find_layout, parser, token_labels
 
 
 def logit_lens(model: Any, parts: Any, prompt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -24,12 +24,16 @@ def logit_lens(model: Any, parts: Any, prompt: str) -> tuple[torch.Tensor, torch
             top_probs.append(values)
             top_ids.append(ids)
             last_probs.append(probs[-1])
-    return (torch.stack(list(top_ids)).cpu(), torch.stack(list(top_probs)).float().cpu(),
-            torch.stack(list(last_probs)).float().cpu())
+    return (
+        torch.stack(list(top_ids)).cpu(),
+        torch.stack(list(top_probs)).float().cpu(),
+        torch.stack(list(last_probs)).float().cpu(),
+    )
 
 
-def plot(top_ids: torch.Tensor, top_probs: torch.Tensor, tokenizer: Any, labels: list[str], title: str,
-         path: str) -> None:
+def plot(
+    top_ids: torch.Tensor, top_probs: torch.Tensor, tokenizer: Any, labels: list[str], title: str, path: str
+) -> None:
     """Save the lens as a block x position heatmap, each cell annotated with its top token."""
     import matplotlib
 
@@ -71,14 +75,15 @@ def main() -> None:
     print("block " + "".join(f"{label:>{width}}" for label in labels))
     for layer_idx in range(len(parts.layers)):
         words = token_labels(tokenizer, top_ids[layer_idx].tolist())
-        print(f"{layer_idx:>5} " + "".join(f"{word[:width - 1]:>{width}}" for word in words))
+        print(f"{layer_idx:>5} " + "".join(f"{word[: width - 1]:>{width}}" for word in words))
 
     answer_id = int(last_probs[-1].argmax())
     print(f"\nthe model's answer is {tokenizer.decode([answer_id])!r}; at the last position, by block:")
     for layer_idx, probs in enumerate(last_probs):
         top = int(probs.argmax())
-        print(f"   block {layer_idx}: p(answer) {probs[answer_id]:.3f}, "
-              f"top {tokenizer.decode([top])!r} {probs[top]:.3f}")
+        print(
+            f"   block {layer_idx}: p(answer) {probs[answer_id]:.3f}, top {tokenizer.decode([top])!r} {probs[top]:.3f}"
+        )
     if args.plot:
         plot(top_ids, top_probs, tokenizer, labels, f"logit lens on {args.prompt!r}", args.plot)
     model.shutdown()

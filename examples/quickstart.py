@@ -6,8 +6,9 @@ requests, against the unmodified HF module tree.
 
 from __future__ import annotations
 
-import nnrun
 from common import find_layout, parser, top_tokens
+
+import nnrun
 
 PROMPT = "The Louvre Museum is in"
 
@@ -28,8 +29,9 @@ def main() -> None:
             hidden.append(layer.output)
         logits = parts.unembed.output.save()
     for i, value in enumerate(hidden):
-        print(f"   {parts.layers_path}.{i} output: shape {tuple(value.shape)}, "
-              f"last-token norm {value[0, -1].norm():.1f}")
+        print(
+            f"   {parts.layers_path}.{i} output: shape {tuple(value.shape)}, last-token norm {value[0, -1].norm():.1f}"
+        )
     print(f"   next token: {top_tokens(tokenizer, logits[0, -1])}\n")
 
     print(f"2. edit: zero the last token's attention output in blocks {len(layers) // 2}..{len(layers) - 1}")

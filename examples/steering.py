@@ -11,9 +11,9 @@ import warnings
 from typing import Any
 
 import torch
+from common import find_layout, parser, single_token_id
 
 import nnrun
-from common import find_layout, parser, single_token_id
 
 # (toward, away from): the same question about Italy and about France.
 CONTRAST_PAIRS = [
@@ -48,8 +48,9 @@ def steering_vector(model: Any, parts: Any, pairs: list[tuple[str, str]]) -> tor
     return states[: len(pairs)].mean(0) - states[len(pairs) :].mean(0)
 
 
-def generate(model: Any, parts: Any, prompt: str, max_new_tokens: int, layer_idx: int,
-             vector: torch.Tensor | None) -> str:
+def generate(
+    model: Any, parts: Any, prompt: str, max_new_tokens: int, layer_idx: int, vector: torch.Tensor | None
+) -> str:
     """Greedy continuation of `prompt`, with `vector` added to block `layer_idx`'s output at every step."""
     with model.generate(prompt, max_new_tokens=max_new_tokens) as tracer:
         new_ids = list().save()
@@ -60,8 +61,9 @@ def generate(model: Any, parts: Any, prompt: str, max_new_tokens: int, layer_idx
     return model.tokenizer.decode(torch.cat(list(new_ids)), skip_special_tokens=True)
 
 
-def answer_probs_by_scale(model: Any, parts: Any, layer_idx: int, vector: torch.Tensor,
-                          scales: list[float]) -> torch.Tensor:
+def answer_probs_by_scale(
+    model: Any, parts: Any, layer_idx: int, vector: torch.Tensor, scales: list[float]
+) -> torch.Tensor:
     """p(target answer) of each test prompt's next token at each scale, in one trace: `[num_prompts, num_scales]`."""
     tokenizer = model.tokenizer
     with model.trace() as tracer:
@@ -85,8 +87,13 @@ def plot(scales: list[float], probs: torch.Tensor, layer_idx: int, path: str) ->
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for (prompt, answer, italy_answer), row in zip(TEST_PROMPTS, probs.tolist()):
         control = " (control: its own answer)" if answer == italy_answer else ""
-        ax.plot(scales, row, marker="o", linestyle="--" if control else "-",
-                label=f"{prompt!r} -> {italy_answer!r}{control}")
+        ax.plot(
+            scales,
+            row,
+            marker="o",
+            linestyle="--" if control else "-",
+            label=f"{prompt!r} -> {italy_answer!r}{control}",
+        )
     ax.set_xlabel(f"steering scale (multiple of the vector, added at block {layer_idx})")
     ax.set_ylabel("probability of the target answer")
     ax.set_ylim(-0.02, 1.02)
@@ -109,8 +116,10 @@ def main() -> None:
     layer_idx = len(parts.layers) // 2 if args.layer is None else args.layer
     vectors = steering_vector(model, parts, CONTRAST_PAIRS)  # [num_layers, hidden]
     vector = args.scale * vectors[layer_idx]
-    print(f"steering vector from {len(CONTRAST_PAIRS)} contrast pairs; norm per block: "
-          + ", ".join(f"{norm:.1f}" for norm in vectors.norm(dim=-1).tolist()))
+    print(
+        f"steering vector from {len(CONTRAST_PAIRS)} contrast pairs; norm per block: "
+        + ", ".join(f"{norm:.1f}" for norm in vectors.norm(dim=-1).tolist())
+    )
     print(f"adding {args.scale} x the vector to block {layer_idx}'s output at every generated token\n")
     for prompt, _, _ in TEST_PROMPTS:
         plain = generate(model, parts, prompt, args.max_new_tokens, layer_idx, None)

@@ -30,11 +30,14 @@ def check_spanning_invokes(request_ids: list[list[str]], args: dict[str, dict]) 
     """An empty invoke spans every prompt of the trace: they must agree on output_attentions."""
     if all(request_ids) or len({bool(a) for a in args.values()}) <= 1:
         return
-    raise ValueError("an empty invoke spans every prompt of this trace, but only some of them pass "
-                     "output_attentions=True; pass it to trace()/generate() for all of them instead")
+    raise ValueError(
+        "an empty invoke spans every prompt of this trace, but only some of them pass "
+        "output_attentions=True; pass it to trace()/generate() for all of them instead"
+    )
 
 
 # ---- serving an attention module's second output (the batcher's part) ----------------------------
+
 
 def narrow_probs(probs: AttentionProbs, rows: list[int]) -> torch.Tensor | None:
     """What an invoke over batch `rows` sees: its one request's `[1, H, n, L]`, several requests

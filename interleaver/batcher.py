@@ -38,8 +38,7 @@ from interleaver.write_checks import AmbiguousLayoutError, InvalidWriteError, Sh
 from nnrun.attention.probabilities import AttentionProbs
 
 # What callers import from here: the batcher, a group, the errors a write raises, the skip gate's "run it".
-__all__ = ["AmbiguousLayoutError", "InvalidWriteError", "NO_SKIP", "PackedBatcher", "PackedGroup",
-           "ShapeMismatchError"]
+__all__ = ["AmbiguousLayoutError", "InvalidWriteError", "NO_SKIP", "PackedBatcher", "PackedGroup", "ShapeMismatchError"]
 
 
 class PackedBatcher(SkipSplicing, Batcher):
@@ -237,8 +236,10 @@ class PackedBatcher(SkipSplicing, Batcher):
             return full.replaced({row: None for row in group.rows})
         served = narrow_probs(full, group.rows)
         if served is None:
-            raise InvalidWriteError(f"{module_of(self.location)}: cannot assign attention probabilities to a "
-                                    "request that did not ask for them (pass output_attentions=True)")
+            raise InvalidWriteError(
+                f"{module_of(self.location)}: cannot assign attention probabilities to a "
+                "request that did not ask for them (pass output_attentions=True)"
+            )
         edited = checked_write(self.location, served, edited, tuple(served.shape), self.vocab_size)
         if group.is_single:
             return full.replaced({group.rows[0]: edited})

@@ -20,8 +20,8 @@ import torch
 
 from nnsight.intervention.interleaver import Mediator
 
-from interleaver.mediator import PackedMediator
 from interleaver.jobs import Invocation, pad_sequences
+from interleaver.mediator import PackedMediator
 from interleaver.tracer import PendingInvoke, _asks_for_grad
 
 if TYPE_CHECKING:
@@ -39,8 +39,9 @@ def replay(edit: Mediator) -> PackedMediator:
 def edit_invocations(edits: Sequence[Mediator], request_ids: list[str]) -> list[Invocation]:
     """One invocation per stored edit over every request, indexed before the invokes (which start at 0)."""
     count = len(edits)
-    return [Invocation(replay(edit), list(request_ids), index - count, is_edit=True)
-            for index, edit in enumerate(edits)]
+    return [
+        Invocation(replay(edit), list(request_ids), index - count, is_edit=True) for index, edit in enumerate(edits)
+    ]
 
 
 def edits_ask_for_grad(edits: Sequence[Mediator]) -> bool:
@@ -57,5 +58,9 @@ def generate_with_edits(model: Any, inputs: tuple, kwargs: dict) -> torch.Tensor
         raise job.error
     request_ids = job.invocations[-1].request_ids  # the prompts' invocation comes after the edits
     requests = [job.requests[rid] for rid in request_ids]
-    return pad_sequences([r.all_token_ids for r in requests], [len(r.prompt_token_ids) for r in requests],
-                         job.pad_token_id, job.ids_device)
+    return pad_sequences(
+        [r.all_token_ids for r in requests],
+        [len(r.prompt_token_ids) for r in requests],
+        job.pad_token_id,
+        job.ids_device,
+    )

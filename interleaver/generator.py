@@ -32,8 +32,8 @@ from nnsight.modeling.transformers import Generator, GeneratorEnvoy
 from nnrun.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
-    from interleaver.mediator import PackedMediator
     from interleaver.jobs import Invocation, TraceJob
+    from interleaver.mediator import PackedMediator
 
 GENERATOR_OUTPUT = "model.generator.output"
 NOT_SERVED = object()  # `serve_generated_ids` for a block that was not waiting for the ids
@@ -42,8 +42,7 @@ STREAMER_OUTPUT = "model.generator.streamer.output"
 
 def add_generator(model: Any) -> None:
     """Give a client tree nnsight's `model.generator` (and `model.generator.streamer`)."""
-    generator = GeneratorEnvoy(Generator(), path=f"{model.path}.generator", interleaver=model.interleaver,
-                               parent=model)
+    generator = GeneratorEnvoy(Generator(), path=f"{model.path}.generator", interleaver=model.interleaver, parent=model)
     object.__setattr__(model, "generator", generator)
     model._children.append(generator)
 

@@ -71,8 +71,12 @@ class GradSink:
 def sink_grads(full: Any, served: Any) -> None:
     """Give each one-request view served from `full` that autograd tracks a `GradSink`."""
     for flat, view in paired_tensors(full, served):
-        if (view is flat or not getattr(view, "_nnsight_batch", False) or not flat.requires_grad
-                or getattr(view, "_nnrun_grad_sink", None) is not None):
+        if (
+            view is flat
+            or not getattr(view, "_nnsight_batch", False)
+            or not flat.requires_grad
+            or getattr(view, "_nnrun_grad_sink", None) is not None
+        ):
             continue
         narrowing = _narrowing(view, flat)
         if narrowing is not None:

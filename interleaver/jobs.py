@@ -90,8 +90,9 @@ class TraceJob:
         return None
 
 
-def pad_sequences(sequences: list[list[int]], prompt_lens: list[int], pad_token_id: int,
-                  device: torch.device | str = "cpu") -> torch.Tensor:
+def pad_sequences(
+    sequences: list[list[int]], prompt_lens: list[int], pad_token_id: int, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """Token ids as HF's `generate` returns them: prompts left-padded, completions right-padded, on
     the model's device (HF's are on its input ids' device)."""
     max_prompt = max(prompt_lens)

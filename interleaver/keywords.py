@@ -20,8 +20,15 @@ import torch
 
 # HF `generate` settings the engine's sampling takes (see `LanguageModel._sampling_params`).
 GENERATE_KWARGS = (
-    "max_new_tokens", "max_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
-    "repetition_penalty", "seed",
+    "max_new_tokens",
+    "max_length",
+    "min_new_tokens",
+    "do_sample",
+    "temperature",
+    "top_k",
+    "top_p",
+    "repetition_penalty",
+    "seed",
 )
 # A local `generate(...)` also takes an HF streamer (`put`/`end`), fed from the caller's thread.
 STREAMER_KWARGS = ("streamer",)
@@ -40,10 +47,10 @@ def _check_kwargs(where: str, kwargs: dict, allowed: Sequence[str]) -> None:
 # nnsight's choices of where a trace runs: a local nnrun model runs it on its own engine.
 _BACKENDS = {
     "remote": "remote=True runs traces on NDIF; nnrun runs them on its own engine (to share one engine, "
-              "start `nnrun serve` and build the model with LanguageModel(name, serve=url))",
+    "start `nnrun serve` and build the model with LanguageModel(name, serve=url))",
     "backend": "custom nnsight backends (a trace runs as requests on nnrun's engine)",
     "serve": "this model runs on its own engine; build it with LanguageModel(name, serve=url) to send traces to "
-             "an `nnrun serve` engine",
+    "an `nnrun serve` engine",
     "blocking": "blocking=False belongs to remote models (LanguageModel(name, serve=url))",
     "api_key": "api_key belongs to remote models (LanguageModel(name, serve=url, api_key=...))",
 }
@@ -106,12 +113,17 @@ def engine_kwargs(model: Any, device: Any, dtype: Any, kwargs: dict) -> tuple[An
     if "torch_dtype" in kwargs:
         dtype = _one_of("dtype", dtype, "torch_dtype", kwargs.pop("torch_dtype"))
     if "device_map" in kwargs:
-        device = _one_of("device", None if device == "cpu" else device, "device_map",
-                         _device_of_map(kwargs.pop("device_map"))) or device
+        device = (
+            _one_of(
+                "device", None if device == "cpu" else device, "device_map", _device_of_map(kwargs.pop("device_map"))
+            )
+            or device
+        )
     tokenizer_settings = kwargs.pop("tokenizer_kwargs", None) or {}
     if not isinstance(tokenizer_settings, dict):
-        raise TypeError("tokenizer_kwargs must be a dict of tokenizer attributes, "
-                        f"got {type(tokenizer_settings).__name__}")
+        raise TypeError(
+            f"tokenizer_kwargs must be a dict of tokenizer attributes, got {type(tokenizer_settings).__name__}"
+        )
     return device, dtype, kwargs, tokenizer_settings
 
 
@@ -162,8 +174,10 @@ def _check_automodel(automodel: Any) -> None:
         return
     name = automodel if isinstance(automodel, str) else getattr(automodel, "__name__", repr(automodel))
     if name != _AUTOMODEL:
-        raise NotImplementedError(f"LanguageModel(automodel={name}): nnrun loads models with {_AUTOMODEL} only; "
-                                  "load the model yourself and pass it")
+        raise NotImplementedError(
+            f"LanguageModel(automodel={name}): nnrun loads models with {_AUTOMODEL} only; "
+            "load the model yourself and pass it"
+        )
 
 
 def _check_config(model: Any, config: Any) -> None:

@@ -205,8 +205,12 @@ class PackedInterleaver(Interleaver):
 
     def handle(self, provider: str, value: Any) -> Any:
         batcher = self.batcher
-        if provider not in self.parked and not self.sourced and not batcher.pending_skips \
-                and provider not in self.observers:
+        if (
+            provider not in self.parked
+            and not self.sourced
+            and not batcher.pending_skips
+            and provider not in self.observers
+        ):
             # Most visits of a step serve nobody (every module hands over its input, skip gate and
             # output): count them as the base interleaver does, without recording the location.
             self.counts[provider] = self.counts.get(provider, 0) + 1

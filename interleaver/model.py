@@ -21,14 +21,22 @@ from nnsight.intervention.interleaver import Interleaver
 from nnsight.intervention.source import Source
 from nnsight.tracing.tracer import WithBlockNotFoundError
 
-from interleaver.attentions import ATTENTION_KWARGS, attention_args, check_spanning_invokes
 from interleaver.attach import mirror_on_engine
+from interleaver.attentions import ATTENTION_KWARGS, attention_args, check_spanning_invokes
 from interleaver.edits import edit_invocations, edits_ask_for_grad, generate_with_edits
 from interleaver.generator import add_generator, user_streamer
-from interleaver.keywords import (GENERATE_KWARGS, INVOKE_KWARGS, STREAMER_KWARGS, TRACE_KWARGS, _check_kwargs,
-                                  apply_tokenizer_settings, engine_kwargs, refuse_backends)
-from interleaver.mediator import PackedInterleaver, ServedValues
 from interleaver.jobs import Invocation, TraceJob, pad_sequences
+from interleaver.keywords import (
+    GENERATE_KWARGS,
+    INVOKE_KWARGS,
+    STREAMER_KWARGS,
+    TRACE_KWARGS,
+    _check_kwargs,
+    apply_tokenizer_settings,
+    engine_kwargs,
+    refuse_backends,
+)
+from interleaver.mediator import PackedInterleaver, ServedValues
 from interleaver.run_job import run_trace_job
 from interleaver.runner import NNsightGPUModelRunner
 from interleaver.scan import ScanTracer
@@ -101,14 +109,20 @@ class ClientEnvoy(_ClientEnvoyMixin, Envoy):
 
 def set_nnsight_attributes(model: Any, model_or_path: Any, revision: str | None, given: dict) -> None:
     """The public attributes scripts read off nnsight's `LanguageModel`, with nnsight's values."""
-    repo_id = model_or_path if isinstance(model_or_path, str) else getattr(model.engine.model.config,
-                                                                           "_name_or_path", None)
+    repo_id = (
+        model_or_path if isinstance(model_or_path, str) else getattr(model.engine.model.config, "_name_or_path", None)
+    )
     attributes = {
         "dispatched": True,  # the engine loads the weights when it is built: there is no meta state
-        "repo_id": repo_id, "revision": revision,
-        "args": (model_or_path,), "kwargs": given,
-        "task": "text-generation", "peft": None,
-        "processor": None, "image_processor": None, "feature_extractor": None,  # text models only
+        "repo_id": repo_id,
+        "revision": revision,
+        "args": (model_or_path,),
+        "kwargs": given,
+        "task": "text-generation",
+        "peft": None,
+        "processor": None,
+        "image_processor": None,
+        "feature_extractor": None,  # text models only
     }
     for name, value in attributes.items():
         if not isinstance(getattr(type(model), name, None), property):  # a subclass's own answer (VLLM's) stands
@@ -135,11 +149,21 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
             return RemoteLanguageModel(*args, serve=serve, **kwargs)
         return super().__new__(cls)
 
-    def __init__(self, model_or_path: Any, tokenizer: Any = None, device: str = "cpu", dtype: Any = None,
-                 rename: dict | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_or_path: Any,
+        tokenizer: Any = None,
+        device: str = "cpu",
+        dtype: Any = None,
+        rename: dict | None = None,
+        **kwargs: Any,
+    ) -> None:
         defaults = {"tokenizer": None, "device": "cpu", "dtype": None, "rename": None}
-        given = {key: value for key, value in zip(defaults, (tokenizer, device, dtype, rename))
-                 if value is not defaults[key] and value != defaults[key]}
+        given = {
+            key: value
+            for key, value in zip(defaults, (tokenizer, device, dtype, rename))
+            if value is not defaults[key] and value != defaults[key]
+        }
         given.update({key: value for key, value in kwargs.items() if key not in ("dispatch", "meta_buffers")})
         revision = kwargs.get("revision")
         device, dtype, options, tokenizer_settings = engine_kwargs(model_or_path, device, dtype, kwargs)
@@ -147,14 +171,17 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
             raise NotImplementedError(
                 f"LanguageModel(tensor_parallel_size={options['tensor_parallel_size']}): nnsight traces are not served "
                 "on tensor-parallel ranks yet (nnrun.LLM(..., tensor_parallel_size=N) serves generation); build the "
-                "model with tensor_parallel_size=1 to trace it")
-        engine = LLM(model_or_path, tokenizer=tokenizer, device=device, dtype=dtype,
-                     runner_cls=NNsightGPUModelRunner, **options)
+                "model with tensor_parallel_size=1 to trace it"
+            )
+        engine = LLM(
+            model_or_path, tokenizer=tokenizer, device=device, dtype=dtype, runner_cls=NNsightGPUModelRunner, **options
+        )
         apply_tokenizer_settings(engine.tokenizer, tokenizer_settings)
         # Aliases live on the client tree only: they point at the same envoys, whose paths (what the
         # engine's interleaver is asked for) stay HF's.
-        super().__init__(engine.model, interleaver=ClientInterleaver(engine.runner.interleaver), envoys=ClientEnvoy,
-                         rename=rename)
+        super().__init__(
+            engine.model, interleaver=ClientInterleaver(engine.runner.interleaver), envoys=ClientEnvoy, rename=rename
+        )
         object.__setattr__(self, "engine", engine)
         object.__setattr__(self, "tokenizer", engine.tokenizer)
         set_nnsight_attributes(self, model_or_path, revision, given)
@@ -236,16 +263,27 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         if not every:
             raise ValueError("trace() needs at least one prompt: every invoke here is empty")
         check_spanning_invokes(request_ids, extra_args)
-        invocations = [Invocation(invoke.mediator, ids or list(every), index)
-                       for index, (invoke, ids) in enumerate(zip(invokes, request_ids))]
+        invocations = [
+            Invocation(invoke.mediator, ids or list(every), index)
+            for index, (invoke, ids) in enumerate(zip(invokes, request_ids))
+        ]
         # Stored edits (`model.edit()`) run first, over every request, as nnsight prepends them.
         invocations = edit_invocations(self._edits, every) + invocations
         needs_grad = needs_grad or edits_ask_for_grad(self._edits)
-        job = TraceJob(kind, invocations, needs_grad=needs_grad, pad_token_id=self._pad_token_id(), seq=seq,
-                       streamer=user_streamer(kind, trace_kwargs), ids_device=self.engine.runner.device)
+        job = TraceJob(
+            kind,
+            invocations,
+            needs_grad=needs_grad,
+            pad_token_id=self._pad_token_id(),
+            seq=seq,
+            streamer=user_streamer(kind, trace_kwargs),
+            ids_device=self.engine.runner.device,
+        )
         for request_id in every:  # the invokes' prompts were checked as they were tokenized
             job.requests[request_id] = self.engine.make_request_from_ids(
-                prompts[request_id], params[request_id], request_id=request_id,
+                prompts[request_id],
+                params[request_id],
+                request_id=request_id,
                 extra_args={"nnsight": job, **extra_args[request_id]},
                 preemptible=False,
             )
@@ -319,10 +357,18 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
             max_new = max(1, explicit - prompt_len) if explicit else defaults["max_length"]
         min_new = min(setting("min_new_tokens") or 0, max_new)
         if not setting("do_sample"):
-            return SamplingParams(max_tokens=max_new, min_tokens=min_new, temperature=0.0,
-                                  repetition_penalty=setting("repetition_penalty"))
+            return SamplingParams(
+                max_tokens=max_new,
+                min_tokens=min_new,
+                temperature=0.0,
+                repetition_penalty=setting("repetition_penalty"),
+            )
         return SamplingParams(
-            max_tokens=max_new, min_tokens=min_new, temperature=setting("temperature"), top_k=setting("top_k") or 0,
-            top_p=setting("top_p"), repetition_penalty=setting("repetition_penalty"), seed=kwargs.get("seed"),
+            max_tokens=max_new,
+            min_tokens=min_new,
+            temperature=setting("temperature"),
+            top_k=setting("top_k") or 0,
+            top_p=setting("top_p"),
+            repetition_penalty=setting("repetition_penalty"),
+            seed=kwargs.get("seed"),
         )
-

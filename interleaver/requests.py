@@ -28,11 +28,11 @@ from greenlet import error as GreenletError
 from nnsight.intervention.interleaver import EarlyStopException, dangling_unwind
 from nnsight.tracing.tracer import inc
 
-from interleaver.nnsight_private import saved_value_ids, tracing_thread_state
 from interleaver.batcher import PackedGroup
 from interleaver.generator import NOT_SERVED, serve_generated_ids
 from interleaver.jobs import Invocation, TraceJob, pad_sequences
 from interleaver.mediator import PackedInterleaver, PackedMediator, as_block_error
+from interleaver.nnsight_private import saved_value_ids, tracing_thread_state
 from interleaver.saved_copies import unpin_block_saves, unpin_client_saves, unpin_saves
 from nnrun.forward_batch import ForwardBatch
 from nnrun.request import Request
@@ -55,8 +55,11 @@ class NNsightRequestHelper:
 
     def needs_grad(self, forward_batch: ForwardBatch) -> bool:
         """Whether a trace with a request in this step reads `.grad` or calls `.backward()`."""
-        return any(inv.job.needs_grad for req in forward_batch.reqs
-                   for inv in self.request_to_invocations.get(req.request_id, ()))
+        return any(
+            inv.job.needs_grad
+            for req in forward_batch.reqs
+            for inv in self.request_to_invocations.get(req.request_id, ())
+        )
 
     def wants_all_logits(self, req: Request) -> bool:
         """A traced prompt keeps the logits of every position, as HF's forward does."""
@@ -86,8 +89,9 @@ class NNsightRequestHelper:
             if not rows:
                 mediator.batch_group = None
                 continue
-            mediator.batch_group = PackedGroup([(starts[row], lengths[row]) for row in rows],
-                                               [logit_spans[row] for row in rows], rows)
+            mediator.batch_group = PackedGroup(
+                [(starts[row], lengths[row]) for row in rows], [logit_spans[row] for row in rows], rows
+            )
             mediator.edited_at = None
             scheduled.append(invocation)
         scheduled.sort(key=_serving_order)
@@ -279,8 +283,12 @@ def _stack_outputs(output_type: type, logits: list[torch.Tensor | None]) -> Any:
 def padded_generated_ids(job: TraceJob) -> torch.Tensor:
     """A generation's ids, every request of the trace padded as HF pads its batch: `[B, T_max + new_max]`."""
     requests = list(job.requests.values())
-    return pad_sequences([r.all_token_ids for r in requests], [len(r.prompt_token_ids) for r in requests],
-                         job.pad_token_id, job.ids_device)
+    return pad_sequences(
+        [r.all_token_ids for r in requests],
+        [len(r.prompt_token_ids) for r in requests],
+        job.pad_token_id,
+        job.ids_device,
+    )
 
 
 def _generated_rows(invocation: Invocation, padded_ids: dict[int, torch.Tensor]) -> torch.Tensor:

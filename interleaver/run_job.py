@@ -14,8 +14,16 @@ from typing import Any, Callable
 from interleaver.jobs import TraceJob
 
 
-def run_trace_job(engine: Any, job: TraceJob, *, feed: Any = None, check: Callable[[], None] | None = None,
-                  poll_s: float = 1.0, abort_grace_s: float = 0.0, abort_with_error: bool = False) -> None:
+def run_trace_job(
+    engine: Any,
+    job: TraceJob,
+    *,
+    feed: Any = None,
+    check: Callable[[], None] | None = None,
+    poll_s: float = 1.0,
+    abort_grace_s: float = 0.0,
+    abort_with_error: bool = False,
+) -> None:
     """Submit `job`'s requests as a gang and wait for it; `check()` runs every `poll_s` and may raise to end it.
 
     `feed`: an `interleaver.streaming.StreamerFeed` fed on this thread as tokens come.

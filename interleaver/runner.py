@@ -65,10 +65,13 @@ class NNsightGPUModelRunner(ModelRunner):
             return groups
         spanning = [req for req in reqs if _spans_several_requests(req)]
         for req in spanning:
-            req.fail(ValueError(
-                f"{family_of(self.model)} runs on nnrun's exact path (one HF forward per prompt), where an invoke "
-                "over several prompts (an empty invoke, or a list of prompts in one invoke) cannot see them in one "
-                "forward; give each prompt its own tracer.invoke(...)"))
+            req.fail(
+                ValueError(
+                    f"{family_of(self.model)} runs on nnrun's exact path (one HF forward per prompt), where an invoke "
+                    "over several prompts (an empty invoke, or a list of prompts in one invoke) cannot see them in one "
+                    "forward; give each prompt its own tracer.invoke(...)"
+                )
+            )
         return [group for group in groups if group[0] not in spanning]
 
     # ---- 2. forward -----------------------------------------------------------------------
@@ -81,8 +84,9 @@ class NNsightGPUModelRunner(ModelRunner):
         if not invocations:
             helper.step_invocations = []
             return super().forward(forward_batch)
-        self.interleaver.batcher.set_step(forward_batch.num_tokens, int(forward_batch.logits_indices.numel()),
-                                          forward_batch.batch_size)
+        self.interleaver.batcher.set_step(
+            forward_batch.num_tokens, int(forward_batch.logits_indices.numel()), forward_batch.batch_size
+        )
         self.interleaver.mediators = []
         self._counts_before_step = dict(self.interleaver.counts)
         with self.interleaver:
@@ -188,8 +192,11 @@ class NNsightGPUModelRunner(ModelRunner):
         if not bool(is_bad.any()):
             return
         for row in is_bad.nonzero().flatten().tolist():
-            reqs[row].fail(InvalidWriteError(
-                f"model.samples: token id {int(token_ids[row])} is outside the vocabulary [0, {vocab_size})"))
+            reqs[row].fail(
+                InvalidWriteError(
+                    f"model.samples: token id {int(token_ids[row])} is outside the vocabulary [0, {vocab_size})"
+                )
+            )
         token_ids.masked_fill_(is_bad, 0)
 
     # ---- 4. finishing ---------------------------------------------------------------------

@@ -14,9 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-
-from interleaver.nnsight_private import saved_value_ids
 from interleaver.grads import carry_grad
+from interleaver.nnsight_private import saved_value_ids
 
 if TYPE_CHECKING:
     from interleaver.jobs import Invocation, TraceJob

@@ -16,6 +16,7 @@ from types import CodeType
 from typing import Any
 
 import torch
+
 from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.tracer import ScanningTracer
 from nnsight.tracing.util import push
@@ -40,8 +41,9 @@ class ScanTracer(ScanningTracer):
             super().execute(code)
         finally:
             self.info.frame = frame
-        pushed = {name: value for name, value in stand_in.f_locals.items()
-                  if name not in before or before[name] is not value}
+        pushed = {
+            name: value for name, value in stand_in.f_locals.items() if name not in before or before[name] is not value
+        }
         if pushed:
             push(frame, pushed)
 
@@ -87,8 +89,9 @@ def _build_scan_model(model: Any) -> Any:
         meta_module = type(module)._from_config(config, attn_implementation="sdpa", dtype=module.dtype)
     meta_module.eval()
     # device="meta": the pipeline nnsight wraps the module in would otherwise move it to the CPU.
-    return TransformersModel(meta_module, task="text-generation", tokenizer=model.tokenizer, rename=model._rename,
-                             device="meta")
+    return TransformersModel(
+        meta_module, task="text-generation", tokenizer=model.tokenizer, rename=model._rename, device="meta"
+    )
 
 
 def _same_path(root: Any, path: str) -> Any:

@@ -41,8 +41,10 @@ class SkipSplicing:
         expected = self.served_lead(group, layout)
         first = next(iter(tensors_in(replacement)), None)  # the module's main output (hidden states)
         if first is None or first.is_meta:
-            raise InvalidWriteError(f"{module_of(self.location)}: a skip replacement must hold a tensor with "
-                                    f"values, got {type(replacement).__name__} {replacement!r:.40}")
+            raise InvalidWriteError(
+                f"{module_of(self.location)}: a skip replacement must hold a tensor with "
+                f"values, got {type(replacement).__name__} {replacement!r:.40}"
+            )
         if tuple(first.shape[: len(expected)]) != expected:
             raise ShapeMismatchError(
                 f"{module_of(self.location)}: a skip replacement of shape {tuple(first.shape)} does not "
@@ -87,7 +89,11 @@ def _concat_skips(parts: list[tuple[PackedGroup, Any]], layout: Layout) -> Any:
         spans = group.spans(layout)
         max_len = max(length for _, length in spans)
         for i, (start, length) in enumerate(spans):
-            pieces.append((start, apply(replacement, lambda t: t[i : i + 1, max_len - length :]
-                                        if t.dim() >= 2 else t, torch.Tensor)))
+            pieces.append(
+                (
+                    start,
+                    apply(replacement, lambda t: t[i : i + 1, max_len - length :] if t.dim() >= 2 else t, torch.Tensor),
+                )
+            )
     pieces.sort(key=lambda piece: piece[0])
     return concat_dim1([piece for _, piece in pieces])

@@ -105,5 +105,5 @@ def callable_identity(fn: Any) -> tuple[str | None, str | None]:
     is instrumented through its `__call__`.
     """
     if not (inspect.isfunction(fn) or inspect.ismethod(fn)):
-        fn = getattr(fn, "__call__", fn)
+        fn = type(fn).__call__ if callable(fn) else fn  # a callable instance: its class's __call__
     return getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)

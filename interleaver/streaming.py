@@ -29,8 +29,9 @@ class StreamerFeed:
     def __init__(self, streamer: Any, prompts: Sequence[Sequence[int]], pad_token_id: int) -> None:
         for method in ("put", "end"):
             if not callable(getattr(streamer, method, None)):
-                raise TypeError("streamer must have put() and end() (an HF BaseStreamer), "
-                                f"got {type(streamer).__name__}")
+                raise TypeError(
+                    f"streamer must have put() and end() (an HF BaseStreamer), got {type(streamer).__name__}"
+                )
         self.streamer = streamer
         self.prompts = [list(p) for p in prompts]
         self.pad_token_id = pad_token_id
@@ -76,8 +77,9 @@ def _next_output(stream: Iterator[RequestOutput], handle: RequestHandle) -> Requ
         raise  # the caller's own interrupt
 
 
-def generate_streamed(engine: LLM, prompts: list[list[int]], params: list[SamplingParams], streamer: Any,
-                      pad_token_id: int) -> list[RequestOutput]:
+def generate_streamed(
+    engine: LLM, prompts: list[list[int]], params: list[SamplingParams], streamer: Any, pad_token_id: int
+) -> list[RequestOutput]:
     """`engine.generate(prompts, params)` with `streamer` fed as HF feeds it."""
     feed = StreamerFeed(streamer, prompts, pad_token_id)
     requests = [engine.make_request(p, sp, index=i) for i, (p, sp) in enumerate(zip(prompts, params))]

@@ -23,9 +23,9 @@ from nnsight.intervention.util import clear_shared_locals, shared_locals
 from nnsight.tracing.tracer import mark, push_result
 from nnsight.tracing.util import Scope, filter_traceback
 
-from interleaver.nnsight_private import saved_value_ids
 from interleaver.layouts import SAMPLES_LOCATION
 from interleaver.mediator import PackedMediator
+from interleaver.nnsight_private import saved_value_ids
 from nnrun.exact import family_of
 
 if TYPE_CHECKING:
@@ -51,8 +51,9 @@ class NNrunInvoker(Invoker):
         # Checked here, so a bad input's traceback ends at this invoke's line, not the trace's.
         prompts = self.tracer.invoke_prompts(self.args, self.kwargs)
         frame = self.info.frame
-        mediator = PackedMediator(code, frame.f_globals, dict(frame.f_locals), node=self.node,
-                                  shared=shared_locals(frame))
+        mediator = PackedMediator(
+            code, frame.f_globals, dict(frame.f_locals), node=self.node, shared=shared_locals(frame)
+        )
         self.tracer.pending_invokes.append(PendingInvoke(mediator, self.args, self.kwargs, prompts))
 
 
@@ -76,7 +77,8 @@ class NNrunTracer(InterleavingTracer):
             raise ValueError(
                 f"tracer.barrier() makes invokes meet inside one forward, but {family_of(engine.model)} runs on "
                 "nnrun's exact path, where each prompt has its own forward; share values without a barrier (a later "
-                "invoke can read what an earlier one saved)")
+                "invoke can read what an earlier one saved)"
+            )
         return super().barrier(n)
 
     def invoke_prompts(self, args: tuple, kwargs: dict) -> list[list[int]]:
@@ -155,7 +157,8 @@ def _asks_for_grad(node: ast.AST | None) -> bool:
         return False
     asks = getattr(node, "_nnrun_asks_for_grad", None)
     if asks is None:
-        asks = any(isinstance(n, ast.Attribute) and n.attr in ("grad", "backward", "retain_grad")
-                   for n in ast.walk(node))
+        asks = any(
+            isinstance(n, ast.Attribute) and n.attr in ("grad", "backward", "retain_grad") for n in ast.walk(node)
+        )
         node._nnrun_asks_for_grad = asks
     return asks

@@ -21,12 +21,16 @@ from nnsight.intervention.eproperty import eproperty
 from nnsight.tracing.tracer import WithBlockNotFoundError
 
 from interleaver.attentions import ATTENTION_KWARGS
+from interleaver.jobs import TraceJob
 from interleaver.mediator import PackedMediator
 from interleaver.model import LanguageModel
-from interleaver.jobs import TraceJob
 from interleaver.tracer import NNrunTracer, PendingInvoke
-from interleaver.vllm_params import check_sampling_kwargs, vllm_engine_kwargs, vllm_sampling_kwargs, \
-    vllm_sampling_params
+from interleaver.vllm_params import (
+    check_sampling_kwargs,
+    vllm_engine_kwargs,
+    vllm_sampling_kwargs,
+    vllm_sampling_params,
+)
 from nnrun.outputs import RequestOutput
 from nnrun.prompts import split_model_input
 from nnrun.request import Request
@@ -196,8 +200,10 @@ def _from_vllm_prompt(data: Any) -> Any:
         return data  # a tokenizer's output stays as it is: nnrun reads it itself
     extra = sorted(set(data) - {"prompt", "prompt_token_ids"})
     if extra:
-        raise NotImplementedError(f"a prompt dict with {', '.join(extra)}: nnrun.VLLM takes text prompts only "
-                                  "({'prompt': ...} or {'prompt_token_ids': ...})")
+        raise NotImplementedError(
+            f"a prompt dict with {', '.join(extra)}: nnrun.VLLM takes text prompts only "
+            "({'prompt': ...} or {'prompt_token_ids': ...})"
+        )
     if "prompt_token_ids" in data:
         return list(data["prompt_token_ids"])
     if "prompt" in data:
@@ -205,8 +211,7 @@ def _from_vllm_prompt(data: Any) -> Any:
     raise ValueError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'input_ids', got no keys")
 
 
-def _traced_result(requests: list[Request],
-                   text_of: Callable[[Request], str]) -> RequestOutput | list[RequestOutput]:
+def _traced_result(requests: list[Request], text_of: Callable[[Request], str]) -> RequestOutput | list[RequestOutput]:
     """`tracer.result` on VLLM: the invoke's finished `RequestOutput` (several prompts: a list)."""
     outputs = _request_outputs(requests, text_of)
     return outputs[0] if len(outputs) == 1 else outputs

@@ -13,8 +13,21 @@ from nnrun.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 # vLLM SamplingParams fields that nnrun.SamplingParams has under the same name and meaning.
 SAMPLING_FIELDS = (
-    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
-    "ignore_eos", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs",
+    "max_tokens",
+    "min_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "prompt_logprobs",
     "skip_special_tokens",
 )
 
@@ -64,15 +77,19 @@ def check_sampling_kwargs(where: str, kwargs: dict) -> None:
         if name in REMOTE_KEYWORDS:
             raise NotImplementedError(
                 f"{where}({name}=...) runs the trace on a remote or served engine; nnrun.VLLM runs its engine in "
-                f"this process, so drop {name}")
+                f"this process, so drop {name}"
+            )
         if name in SAMPLING_DEFAULT_ONLY:
             default, feature = SAMPLING_DEFAULT_ONLY[name]
             if not _is_default(value, default):
-                raise NotImplementedError(f"{where}({name}={value!r}): nnrun does not support {feature} yet; "
-                                          f"leave {name} at {default!r}")
+                raise NotImplementedError(
+                    f"{where}({name}={value!r}): nnrun does not support {feature} yet; leave {name} at {default!r}"
+                )
         elif name not in ACCEPTED_SAMPLING:
-            raise TypeError(f"{where}() got unexpected keyword {name!r}: not a vLLM SamplingParams field. "
-                            f"Sampling keywords nnrun.VLLM accepts: {', '.join(SAMPLING_FIELDS)}")
+            raise TypeError(
+                f"{where}() got unexpected keyword {name!r}: not a vLLM SamplingParams field. "
+                f"Sampling keywords nnrun.VLLM accepts: {', '.join(SAMPLING_FIELDS)}"
+            )
 
 
 def vllm_sampling_params(kwargs: dict, where: str = "trace") -> SamplingParams:
@@ -113,8 +130,15 @@ ENGINE_DEFAULT_ONLY: dict[str, tuple[tuple, str]] = {
 # (every traced step runs eagerly, so every location is served), prefix caching and chunked prefill
 # (nnrun recomputes every prompt and never splits one), and vLLM's own logging/capture/swap settings.
 ENGINE_IGNORED = (
-    "dispatch", "taps", "enable_prefix_caching", "enable_chunked_prefill", "disable_log_stats", "swap_space",
-    "max_seq_len_to_capture", "disable_custom_all_reduce", "compilation_config",
+    "dispatch",
+    "taps",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "disable_log_stats",
+    "swap_space",
+    "max_seq_len_to_capture",
+    "disable_custom_all_reduce",
+    "compilation_config",
 )
 
 
@@ -130,8 +154,10 @@ def vllm_engine_kwargs(kwargs: dict) -> tuple[dict, int | None]:
         if name in ENGINE_DEFAULT_ONLY:
             allowed, feature = ENGINE_DEFAULT_ONLY[name]
             if not any(_is_default(value, option) for option in allowed):
-                raise NotImplementedError(f"VLLM({name}={value!r}): nnrun does not support {feature} yet "
-                                          f"(accepted: {', '.join(map(repr, allowed))})")
+                raise NotImplementedError(
+                    f"VLLM({name}={value!r}): nnrun does not support {feature} yet "
+                    f"(accepted: {', '.join(map(repr, allowed))})"
+                )
         elif name in ENGINE_IGNORED:
             continue
         elif name == "seed":

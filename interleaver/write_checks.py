@@ -26,13 +26,16 @@ class ShapeMismatchError(InvalidWriteError):
     """An assignment whose tensor does not have the shape of the value it replaces."""
 
 
-def checked_write(location: str, full: torch.Tensor, edited: Any, expected: tuple[int, ...],
-                  vocab_size: int | None) -> torch.Tensor:
+def checked_write(
+    location: str, full: torch.Tensor, edited: Any, expected: tuple[int, ...], vocab_size: int | None
+) -> torch.Tensor:
     """`edited` as a tensor the step can take in place of a request's part of `full`, or an error."""
     where = module_of(location)
     if isinstance(edited, bool) or not isinstance(edited, (torch.Tensor, int, float)):
-        raise InvalidWriteError(f"{where}: cannot assign {type(edited).__name__} {edited!r:.40}; assign a "
-                                f"tensor of shape {expected} (or a number)")
+        raise InvalidWriteError(
+            f"{where}: cannot assign {type(edited).__name__} {edited!r:.40}; assign a "
+            f"tensor of shape {expected} (or a number)"
+        )
     if not isinstance(edited, torch.Tensor):
         edited = torch.as_tensor(edited, dtype=full.dtype, device=full.device).expand(expected)
     if edited.is_meta:

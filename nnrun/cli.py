@@ -27,8 +27,13 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         sub.set_defaults(module_name=module_name)
         if name in argv:
             importlib.import_module(module_name).add_arguments(sub)
-        sub.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                         help="ranks that share the model (only 1 is served by this command so far)")
+        sub.add_argument(
+            "--tensor-parallel-size",
+            type=int,
+            default=1,
+            metavar="N",
+            help="ranks that share the model (only 1 is served by this command so far)",
+        )
     return parser
 
 
@@ -37,9 +42,11 @@ def refuse_tensor_parallel(args: argparse.Namespace) -> str | None:
     if args.tensor_parallel_size < 1:
         return f"--tensor-parallel-size must be a positive integer, got {args.tensor_parallel_size}"
     if args.tensor_parallel_size > 1:
-        return (f"--tensor-parallel-size {args.tensor_parallel_size}: nnrun {args.command} does not run on "
-                "tensor-parallel ranks yet (only nnrun.LLM(..., tensor_parallel_size=N) does); "
-                "run it with --tensor-parallel-size 1")
+        return (
+            f"--tensor-parallel-size {args.tensor_parallel_size}: nnrun {args.command} does not run on "
+            "tensor-parallel ranks yet (only nnrun.LLM(..., tensor_parallel_size=N) does); "
+            "run it with --tensor-parallel-size 1"
+        )
     return None
 
 

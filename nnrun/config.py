@@ -8,9 +8,14 @@ from typing import Any
 import torch
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
 }
 
 
@@ -126,13 +131,18 @@ class ParallelConfig:
     tensor_parallel_timeout: float = 300.0  # seconds a step or a collective may take before the group is declared hung
 
     def __post_init__(self) -> None:
-        if isinstance(self.tensor_parallel_size, bool) or not isinstance(self.tensor_parallel_size, int) \
-                or self.tensor_parallel_size <= 0:
+        if (
+            isinstance(self.tensor_parallel_size, bool)
+            or not isinstance(self.tensor_parallel_size, int)
+            or self.tensor_parallel_size <= 0
+        ):
             raise ValueError(
-                f"ParallelConfig.tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+                f"ParallelConfig.tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}"
+            )
         if not self.tensor_parallel_timeout > 0:
             raise ValueError(
-                f"ParallelConfig.tensor_parallel_timeout must be positive seconds, got {self.tensor_parallel_timeout!r}")
+                f"ParallelConfig.tensor_parallel_timeout must be positive seconds, got {self.tensor_parallel_timeout!r}"
+            )
 
 
 @dataclass
@@ -146,13 +156,21 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
-    def from_kwargs(cls, model: Any, tokenizer: Any = None, device: str = "cpu", dtype: Any = None,
-                    **kwargs: Any) -> "EngineConfig":
+    def from_kwargs(
+        cls, model: Any, tokenizer: Any = None, device: str = "cpu", dtype: Any = None, **kwargs: Any
+    ) -> "EngineConfig":
         """Route flat `LLM(...)` keywords to the config that owns them; unknown names are an error."""
-        groups: dict[type, dict[str, Any]] = {ModelConfig: {}, CacheConfig: {}, SchedulerConfig: {}, DeviceConfig: {},
-                                              ParallelConfig: {}}
+        groups: dict[type, dict[str, Any]] = {
+            ModelConfig: {},
+            CacheConfig: {},
+            SchedulerConfig: {},
+            DeviceConfig: {},
+            ParallelConfig: {},
+        }
         for name, value in kwargs.items():
-            owner = next((c for c in groups if name in c.__dataclass_fields__ and c.__dataclass_fields__[name].init), None)
+            owner = next(
+                (c for c in groups if name in c.__dataclass_fields__ and c.__dataclass_fields__[name].init), None
+            )
             if owner is None:
                 raise ValueError(f"unknown engine option {name!r}")
             groups[owner][name] = value

@@ -64,8 +64,15 @@ class CudaGraphCapturer:
 class DecodeGraphRunner:
     """Captured decode forwards for `batch_sizes`, and their replay on a real decode step."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, trash_slot: int, backend: AttentionBackend,
-                 batch_sizes: Sequence[int], capturer: GraphCapturer) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        trash_slot: int,
+        backend: AttentionBackend,
+        batch_sizes: Sequence[int],
+        capturer: GraphCapturer,
+    ) -> None:
         """`trash_slot`: the KV slot padding rows write to (the pool's reserved slot nothing reads)."""
         if not batch_sizes or min(batch_sizes) <= 0:
             raise ValueError(f"CUDA graph batch sizes must be positive, got {list(batch_sizes)}")

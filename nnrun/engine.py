@@ -81,8 +81,15 @@ class LLM:
     runs the model on N rank processes that each hold a shard of every layer (`nnrun.tp`).
     """
 
-    def __init__(self, model: Any, tokenizer: Any = None, device: str = "cpu", dtype: Any = None,
-                 runner_cls: type[ModelRunner] = ModelRunner, **engine_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any = None,
+        device: str = "cpu",
+        dtype: Any = None,
+        runner_cls: type[ModelRunner] = ModelRunner,
+        **engine_kwargs: Any,
+    ) -> None:
         self.config = EngineConfig.from_kwargs(model, tokenizer, device=device, dtype=dtype, **engine_kwargs)
         if self.config.parallel.tensor_parallel_size > 1:  # the weights live on rank processes (nnrun.tp)
             from nnrun.tp import tensor_parallel_runner_class
@@ -107,9 +114,12 @@ class LLM:
         stop_at_exit(self)  # a daemon engine thread still running at finalization aborts the process
 
     # ---- public API -----------------------------------------------------------------------
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in prompt order."""
         prompt_list = split_prompts(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompt_list))
@@ -129,16 +139,29 @@ class LLM:
         """Yield a RequestOutput after every new token of one prompt."""
         return self.submit(prompt, sampling_params, stream=True).stream()
 
-    def submit(self, prompt: Prompt, sampling_params: SamplingParams | None = None, *,
-               request_id: str | None = None, extra_args: dict | None = None, preemptible: bool = True,
-               stream: bool = False) -> RequestHandle:
+    def submit(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        extra_args: dict | None = None,
+        preemptible: bool = True,
+        stream: bool = False,
+    ) -> RequestHandle:
         """Queue one request (thread-safe) and return its handle."""
-        req = self.make_request(prompt, sampling_params or SamplingParams(), request_id=request_id,
-                                extra_args=extra_args, preemptible=preemptible)
+        req = self.make_request(
+            prompt,
+            sampling_params or SamplingParams(),
+            request_id=request_id,
+            extra_args=extra_args,
+            preemptible=preemptible,
+        )
         return self.submit_requests([req], stream=stream)[0]
 
-    def submit_requests(self, requests: list[Request], *, gang: bool = False,
-                        stream: bool = False) -> list[RequestHandle]:
+    def submit_requests(
+        self, requests: list[Request], *, gang: bool = False, stream: bool = False
+    ) -> list[RequestHandle]:
         """Queue requests made by `make_request` atomically (thread-safe).
 
         With `gang=True` the scheduler admits them in the same step, all or none (as long as they
@@ -239,20 +262,42 @@ class LLM:
         self.shutdown()
 
     # ---- requests -------------------------------------------------------------------------
-    def make_request(self, prompt: Prompt, params: SamplingParams, *, index: int | None = None,
-                     request_id: str | None = None, extra_args: dict | None = None,
-                     preemptible: bool = True) -> Request:
+    def make_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        *,
+        index: int | None = None,
+        request_id: str | None = None,
+        extra_args: dict | None = None,
+        preemptible: bool = True,
+    ) -> Request:
         """Validate and tokenize on the caller's thread, so bad input never reaches the engine."""
         where = "prompt" if index is None else f"prompts[{index}]"
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt, where)
-        return self.make_request_from_ids(token_ids, params, where=where, text=text, request_id=request_id,
-                                          extra_args=extra_args, preemptible=preemptible)
+        return self.make_request_from_ids(
+            token_ids,
+            params,
+            where=where,
+            text=text,
+            request_id=request_id,
+            extra_args=extra_args,
+            preemptible=preemptible,
+        )
 
-    def make_request_from_ids(self, token_ids: list[int], params: SamplingParams, *, where: str = "prompt",
-                              text: str | None = None, request_id: str | None = None,
-                              extra_args: dict | None = None, preemptible: bool = True) -> Request:
+    def make_request_from_ids(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        *,
+        where: str = "prompt",
+        text: str | None = None,
+        request_id: str | None = None,
+        extra_args: dict | None = None,
+        preemptible: bool = True,
+    ) -> Request:
         """A request of token ids this process has checked already (`nnrun.prompts.tokenize_prompt`'s).
 
         Only the length is checked here; `make_request` is the door for anything a user handed over.
@@ -264,8 +309,12 @@ class LLM:
                 f"(max_model_len) and the KV pool {self.runner.max_total_tokens} tokens; at least one new token must fit"
             )
         req = Request(
-            request_id=request_id or str(next(self._ids)), prompt_token_ids=token_ids, sampling_params=params,
-            prompt=text, extra_args=dict(extra_args or {}), is_preemptible=preemptible,
+            request_id=request_id or str(next(self._ids)),
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            prompt=text,
+            extra_args=dict(extra_args or {}),
+            is_preemptible=preemptible,
         )
         if params.seed is not None:
             req.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
@@ -277,7 +326,9 @@ class LLM:
         return tokenize_prompt(prompt, where, self.tokenizer, self.vocab_size)
 
     @staticmethod
-    def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    def _params_per_prompt(
+        params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
         if params is None:
             return [SamplingParams() for _ in range(count)]
         if isinstance(params, SamplingParams):
@@ -332,8 +383,9 @@ class LLM:
     def _loop(self) -> None:
         while True:
             with self._wakeup:
-                while not self._stopping and (self._num_pauses or not (
-                        self._inbox or self._aborts or self.core.has_unfinished)):
+                while not self._stopping and (
+                    self._num_pauses or not (self._inbox or self._aborts or self.core.has_unfinished)
+                ):
                     self._wakeup.wait()
                 if self._stopping:
                     self._publish(self.core.abort_all(RuntimeError("the engine was shut down")))

@@ -45,8 +45,9 @@ class EngineCore:
         self.runner = runner
         self.counters = StepCounters()
         self.stop_checker = StopChecker(eos_token_ids, runner.max_model_len, runner.tokenizer)
-        self.scheduler = Scheduler(runner.config.scheduler, runner.allocator, runner.req_to_token_pool,
-                                   self.stop_checker)
+        self.scheduler = Scheduler(
+            runner.config.scheduler, runner.allocator, runner.req_to_token_pool, self.stop_checker
+        )
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)
@@ -109,10 +110,15 @@ class EngineCore:
             if not blamed or len(blamed) == len(reqs):
                 raise
             for req in blamed:
-                req.fail(StepFailedError(f"the engine step failed after request {req.request_id}'s intervention "
-                                         f"edited a value of the forward: {type(error).__name__}: {error}"))
-            logger.warning("a step failed after %d request(s) edited it (%s); running it again without them",
-                           len(blamed), error)
+                req.fail(
+                    StepFailedError(
+                        f"the engine step failed after request {req.request_id}'s intervention "
+                        f"edited a value of the forward: {type(error).__name__}: {error}"
+                    )
+                )
+            logger.warning(
+                "a step failed after %d request(s) edited it (%s); running it again without them", len(blamed), error
+            )
             rest = [req for req in reqs if req not in blamed]
             return rest, self._run_batch(rest, mode)
 

@@ -105,20 +105,28 @@ def decode_forward_batch(reqs: list[Request], req_to_token: torch.Tensor, page_s
     )
 
 
-def token_layout_plain(reqs: list[Request], prefix_lens: list[int], seq_lens: list[int],
-                       page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_layout_plain(
+    reqs: list[Request], prefix_lens: list[int], seq_lens: list[int], page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each new token's position, KV slot and request-table row (`[N]` each), from plain ints."""
     spans = list(zip(reqs, prefix_lens, seq_lens))
     positions = [pos for _, prefix, seq in spans for pos in range(prefix, seq)]
-    slots = [req.page_ids[pos // page_size] * page_size + pos % page_size
-             for req, prefix, seq in spans for pos in range(prefix, seq)]
+    slots = [
+        req.page_ids[pos // page_size] * page_size + pos % page_size
+        for req, prefix, seq in spans
+        for pos in range(prefix, seq)
+    ]
     rows = [req.req_pool_idx for req, prefix, seq in spans for _ in range(seq - prefix)]
-    return (torch.tensor(positions, dtype=torch.int64), torch.tensor(slots, dtype=torch.int64),
-            torch.tensor(rows, dtype=torch.int64))
+    return (
+        torch.tensor(positions, dtype=torch.int64),
+        torch.tensor(slots, dtype=torch.int64),
+        torch.tensor(rows, dtype=torch.int64),
+    )
 
 
-def token_layout_tensor(reqs: list[Request], prefix_lens: list[int], seq_lens: list[int],
-                        page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_layout_tensor(
+    reqs: list[Request], prefix_lens: list[int], seq_lens: list[int], page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """As `token_layout_plain`, in whole-batch tensor ops (a large step)."""
     q_lens = [seq - prefix for seq, prefix in zip(seq_lens, prefix_lens)]
     starts = list(itertools.accumulate(q_lens, initial=0))[:-1]
@@ -126,8 +134,9 @@ def token_layout_tensor(reqs: list[Request], prefix_lens: list[int], seq_lens: l
     offsets = torch.tensor([prefix - start for prefix, start in zip(prefix_lens, starts)], dtype=torch.int64)  # [B]
     positions = torch.arange(len(token_to_req)) + offsets[token_to_req]  # [N]
     max_pages = max((len(req.page_ids) for req in reqs), default=0)
-    page_table = torch.tensor([req.page_ids + [0] * (max_pages - len(req.page_ids)) for req in reqs],
-                              dtype=torch.int64).view(len(reqs), max_pages)  # [B, max_pages]
+    page_table = torch.tensor(
+        [req.page_ids + [0] * (max_pages - len(req.page_ids)) for req in reqs], dtype=torch.int64
+    ).view(len(reqs), max_pages)  # [B, max_pages]
     out_cache_loc = page_table[token_to_req, positions // page_size] * page_size + positions % page_size  # [N]
     rows = torch.tensor([req.req_pool_idx for req in reqs], dtype=torch.int64)  # [B]
     return positions, out_cache_loc, rows[token_to_req]
@@ -144,8 +153,14 @@ def is_decode_step(reqs: list[Request]) -> bool:
 PLAIN_LAYOUT_MAX_TOKENS = 128
 
 
-def packed_forward_batch(reqs: list[Request], mode: ForwardMode, req_to_token: torch.Tensor, page_size: int,
-                         wants_prompt_logits: list[bool], keeps_all_logits: list[bool] | None = None) -> ForwardBatch:
+def packed_forward_batch(
+    reqs: list[Request],
+    mode: ForwardMode,
+    req_to_token: torch.Tensor,
+    page_size: int,
+    wants_prompt_logits: list[bool],
+    keeps_all_logits: list[bool] | None = None,
+) -> ForwardBatch:
     """Every uncached token of each request, flattened (the scheduler has allocated the pages).
 
     Slots and positions come from plain ints for a small step, else from a few whole-batch tensor
@@ -166,8 +181,9 @@ def packed_forward_batch(reqs: list[Request], mode: ForwardMode, req_to_token: t
     rows = torch.tensor([req.req_pool_idx for req in reqs], dtype=torch.int64)  # [B]
     kv_slot_table = req_to_token[rows, : max(seq_lens, default=0)]  # [B, max_seq_len] (a copy)
     input_ids, logits_indices, next_rows, prompt_rows = [], [], [], []
-    for req, prefix, start, q_len, wants, keeps_all in zip(reqs, prefix_lens, starts, q_lens, wants_prompt_logits,
-                                                           keeps_all_logits):
+    for req, prefix, start, q_len, wants, keeps_all in zip(
+        reqs, prefix_lens, starts, q_lens, wants_prompt_logits, keeps_all_logits
+    ):
         input_ids.extend(req.all_token_ids[prefix:])
         prompt_rows.append((len(logits_indices), len(logits_indices) + q_len - 1) if wants else None)
         if wants or keeps_all:  # every new position's logits (prompt logprobs, a trace's), the next token's last

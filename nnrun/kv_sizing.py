@@ -7,8 +7,9 @@ from __future__ import annotations
 GiB = 1 << 30
 
 
-def kv_budget_bytes(total_bytes: int, free_bytes: int, gpu_memory_utilization: float,
-                    activation_peak_bytes: int) -> int:
+def kv_budget_bytes(
+    total_bytes: int, free_bytes: int, gpu_memory_utilization: float, activation_peak_bytes: int
+) -> int:
     """Bytes for the KV pool, vLLM's meaning of `gpu_memory_utilization`: the share of the whole card
     this engine may fill. What is already in use (weights, the CUDA context, other processes)
     and the largest step's activations come out of that share; the rest of the card is headroom

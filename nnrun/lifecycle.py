@@ -53,8 +53,11 @@ POLL_S = 0.005
 class InterpreterExiting(RuntimeError):
     """What a request still in flight at interpreter exit fails with."""
 
-    def __init__(self, message: str = "the Python interpreter is exiting: nnrun aborted this request, which was "
-                 "still running (wait for your traces, or call shutdown(), before the program ends)") -> None:
+    def __init__(
+        self,
+        message: str = "the Python interpreter is exiting: nnrun aborted this request, which was "
+        "still running (wait for your traces, or call shutdown(), before the program ends)",
+    ) -> None:
         super().__init__(message)
 
 
@@ -150,11 +153,13 @@ def _raise_in(thread: threading.Thread, exception_type: type[BaseException]) -> 
 
 def _threads_in_engine_calls(engines: list[LLM]) -> list[threading.Thread]:
     """Threads other than this one and the engines' own that are running the engine's or its runner's code."""
-    files = [__file__] + [getattr(sys.modules.get(type(engine.runner).__module__), "__file__", None)
-                          for engine in engines]
+    files = [__file__] + [
+        getattr(sys.modules.get(type(engine.runner).__module__), "__file__", None) for engine in engines
+    ]
     roots = tuple({os.path.join(os.path.dirname(file), "") for file in files if file})
-    skip = {threading.get_ident()} | {engine.engine_thread.ident for engine in engines
-                                       if engine.engine_thread is not None}
+    skip = {threading.get_ident()} | {
+        engine.engine_thread.ident for engine in engines if engine.engine_thread is not None
+    }
     threads = {thread.ident: thread for thread in threading.enumerate()}
     callers = []
     for ident, frame in sys._current_frames().items():

@@ -73,7 +73,9 @@ def _build_dummy(source: Any, model_config: ModelConfig, dtype: torch.dtype) -> 
         try:
             config = AutoConfig.from_pretrained(path, trust_remote_code=model_config.trust_remote_code)
         except OSError as error:
-            raise ValueError(f"load_format='dummy' needs a config: could not load one for {source!r}: {error}") from error
+            raise ValueError(
+                f"load_format='dummy' needs a config: could not load one for {source!r}: {error}"
+            ) from error
         name = str(source)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model_config.trust_remote_code)
@@ -102,8 +104,10 @@ def packed_unfit_reason(config: PretrainedConfig) -> str | None:
     for rope in _rope_settings(config):
         rope_type = rope.get("rope_type") or rope.get("type")
         if rope_type in UNSAFE_ROPE_TYPES:
-            return (f"rope_type={rope_type!r}: its RoPE frequencies depend on the longest position in the whole "
-                    "batch, so packed requests would change each other's results")
+            return (
+                f"rope_type={rope_type!r}: its RoPE frequencies depend on the longest position in the whole "
+                "batch, so packed requests would change each other's results"
+            )
     return None
 
 
@@ -111,8 +115,10 @@ def check_model_supported(config: PretrainedConfig) -> None:
     """Refuse configs the packed path cannot serve where there is no exact path to fall back on (tensor parallel)."""
     reason = packed_unfit_reason(config)
     if reason is not None:
-        raise ValueError(f"model config has {reason}; nnrun refuses such models here (use a static RoPE scaling: "
-                         "default, linear, llama3 or yarn)")
+        raise ValueError(
+            f"model config has {reason}; nnrun refuses such models here (use a static RoPE scaling: "
+            "default, linear, llama3 or yarn)"
+        )
 
 
 def _rope_settings(config: PretrainedConfig) -> list[dict]:

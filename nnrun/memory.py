@@ -100,8 +100,9 @@ class KVPool:
     masked zero key scores -inf and its zero value adds nothing, whatever the rest of the pool holds.
     """
 
-    def __init__(self, layer_shapes: list[LayerKVShape], num_pages: int, page_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, layer_shapes: list[LayerKVShape], num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
         self.page_size = page_size
         self.num_pages = num_pages
         self.trash_page = num_pages
@@ -144,8 +145,9 @@ class KVPool:
         return sum(s.num_kv_heads * (s.head_dim + s.v_head_dim) for s in layer_shapes) * itemsize
 
 
-def hold_kv(req: "Request", num_tokens: int, allocator: TokenToKVPoolAllocator,
-            req_to_token_pool: ReqToTokenPool) -> bool:
+def hold_kv(
+    req: "Request", num_tokens: int, allocator: TokenToKVPoolAllocator, req_to_token_pool: ReqToTokenPool
+) -> bool:
     """Give `req` a table row and pages for `num_tokens` tokens; False (nothing newly held) if they don't fit."""
     if req.req_pool_idx is None:
         row = req_to_token_pool.alloc()

@@ -38,8 +38,11 @@ class _ProbeBackend(AttentionBackend):
 
     def forward(self, layer_idx, q, k, v, scaling, sliding_window, softcap, sinks=None, chunk_size=None):
         shape = LayerKVShape(num_kv_heads=k.shape[1], head_dim=k.shape[2], v_head_dim=v.shape[2])
-        self.calls.append(AttentionLayerInfo(layer_idx, q.shape[1], shape, scaling, sliding_window, softcap,
-                                             sinks is not None, chunk_size))
+        self.calls.append(
+            AttentionLayerInfo(
+                layer_idx, q.shape[1], shape, scaling, sliding_window, softcap, sinks is not None, chunk_size
+            )
+        )
         return q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
 
 
@@ -58,8 +61,10 @@ def probe_attention_layers(model: torch.nn.Module, device: torch.device) -> list
         raise ValueError(f"the packed path pages one KV cache per attention call: {_layer_mismatch(layer_ids)}")
     for call in probe.calls:
         if call.num_q_heads % call.kv_shape.num_kv_heads:
-            raise ValueError(f"layer {call.layer_idx}: {call.num_q_heads} query heads are not a multiple of "
-                             f"{call.kv_shape.num_kv_heads} KV heads")
+            raise ValueError(
+                f"layer {call.layer_idx}: {call.num_q_heads} query heads are not a multiple of "
+                f"{call.kv_shape.num_kv_heads} KV heads"
+            )
     return sorted(probe.calls, key=lambda call: call.layer_idx)
 
 
@@ -73,8 +78,10 @@ def refuse_sparse_attention_indexers(model: torch.nn.Module) -> None:
     names = {type(module).__name__ for module in model.modules()}
     indexers = sorted(name for name in names if name.endswith("Indexer"))
     if indexers:
-        raise ValueError(f"{indexers[0]} is a sparse-attention indexer (top-k keys per query from its own key cache, "
-                         "under the attention mask), which the packed path does not run")
+        raise ValueError(
+            f"{indexers[0]} is a sparse-attention indexer (top-k keys per query from its own key cache, "
+            "under the attention mask), which the packed path does not run"
+        )
 
 
 def _layer_mismatch(layer_ids: list[int]) -> str:
@@ -82,7 +89,11 @@ def _layer_mismatch(layer_ids: list[int]) -> str:
     repeated = sorted({i for i in layer_ids if layer_ids.count(i) > 1})
     missing = sorted(set(range(max(layer_ids, default=-1) + 1)) - set(layer_ids))
     if repeated:
-        return (f"layers {repeated} call attention more than once per forward (shared-KV or repeated attention "
-                f"layers report layer_idx {layer_ids})")
-    return (f"layers {missing} do not call transformers' attention interface (state-space, linear-attention or "
-            f"other mixer layers beside attention layers {layer_ids})")
+        return (
+            f"layers {repeated} call attention more than once per forward (shared-KV or repeated attention "
+            f"layers report layer_idx {layer_ids})"
+        )
+    return (
+        f"layers {missing} do not call transformers' attention interface (state-space, linear-attention or "
+        f"other mixer layers beside attention layers {layer_ids})"
+    )

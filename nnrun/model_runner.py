@@ -12,15 +12,13 @@ from typing import Iterator
 import torch
 from torch.nn.modules import module as nn_module
 
-from nnrun.attention import (ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBackend, forward_context,
-                             hf_masks_skipped)
+from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBackend, forward_context, hf_masks_skipped
 from nnrun.attention.probabilities import AttentionProbsPlan
 from nnrun.attention.selection import create_attention_backend
 from nnrun.config import EngineConfig
-from nnrun.exact import FORCED_REASON, HFForward, choose_exact_forward, packed_layers
 from nnrun.cuda_graph import CudaGraphCapturer, DecodeGraphRunner, GraphCapturer, default_batch_sizes
-from nnrun.forward_batch import (ForwardBatch, ForwardMode, decode_forward_batch, is_decode_step,
-                                 packed_forward_batch)
+from nnrun.exact import FORCED_REASON, HFForward, choose_exact_forward, packed_layers
+from nnrun.forward_batch import ForwardBatch, ForwardMode, decode_forward_batch, is_decode_step, packed_forward_batch
 from nnrun.kv_sizing import GiB, kv_budget_bytes, profile_prompt_lengths
 from nnrun.loader import load_model, max_context_len, packed_unfit_reason
 from nnrun.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator, hold_kv, release_kv
@@ -71,8 +69,9 @@ class ModelRunner:
         adapt_positions(self.model)  # modules that number positions themselves take each request's own
         self.layers: list[AttentionLayerInfo] = []
         # Why the packed path cannot serve this model, known before any packed step runs (None: ask the probe).
-        self.packed_unfit: str | None = (FORCED_REASON if self.config.model.forward_path == "exact"
-                                         else packed_unfit_reason(self.model.config))
+        self.packed_unfit: str | None = (
+            FORCED_REASON if self.config.model.forward_path == "exact" else packed_unfit_reason(self.model.config)
+        )
         if self.packed_unfit is None:
             self.layers, self.packed_unfit = packed_layers(self.model, self.device)
         # Decided once: a model that ignores logits_to_keep (Whisper's decoder) has its rows taken by the runner.
@@ -111,8 +110,13 @@ class ModelRunner:
         activation_peak = self.profile_activation_peak()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = kv_budget_bytes(total, free, self.config.cache.gpu_memory_utilization, activation_peak)
-        logger.info("KV cache budget %.2f GiB (GPU %.2f GiB, %.2f GiB free after loading, largest step %.2f GiB)",
-                    budget / GiB, total / GiB, free / GiB, activation_peak / GiB)
+        logger.info(
+            "KV cache budget %.2f GiB (GPU %.2f GiB, %.2f GiB free after loading, largest step %.2f GiB)",
+            budget / GiB,
+            total / GiB,
+            free / GiB,
+            activation_peak / GiB,
+        )
         return budget
 
     def profile_activation_peak(self) -> int:
@@ -131,8 +135,10 @@ class ModelRunner:
             for lengths in steps:
                 self.run_dummy_step(lengths)
         except torch.cuda.OutOfMemoryError as error:
-            raise ValueError(f"the largest step the scheduler may run ({max(map(sum, steps))} tokens) does not fit "
-                             "on this GPU; lower max_model_len or max_num_batched_tokens") from error
+            raise ValueError(
+                f"the largest step the scheduler may run ({max(map(sum, steps))} tokens) does not fit "
+                "on this GPU; lower max_model_len or max_num_batched_tokens"
+            ) from error
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
         self.kv_pool = self.allocator = self.req_to_token_pool = self.attn_backend = None
@@ -201,13 +207,15 @@ class ModelRunner:
                 return
             capturer = CudaGraphCapturer(self.device)
         if not self.attn_backend.supports_cuda_graphs:
-            logger.info("decode steps run eagerly: the %s attention backend cannot run in CUDA graphs",
-                        self.attn_backend.name)
+            logger.info(
+                "decode steps run eagerly: the %s attention backend cannot run in CUDA graphs", self.attn_backend.name
+            )
             return
         sizes = self.config.device.cuda_graph_batch_sizes or default_batch_sizes(self.config.scheduler.max_num_seqs)
         with self.step_lock:
-            self.graph_runner = DecodeGraphRunner(self.model, self.device, self.kv_pool.trash_slot, self.attn_backend,
-                                                  sizes, capturer)
+            self.graph_runner = DecodeGraphRunner(
+                self.model, self.device, self.kv_pool.trash_slot, self.attn_backend, sizes, capturer
+            )
 
     def can_use_cuda_graph(self, forward_batch: ForwardBatch) -> bool:
         """Whether this step may replay a captured graph: a decode step nothing watches.
@@ -215,8 +223,11 @@ class ModelRunner:
         A replay runs no Python, so module hooks would silently not fire and no attention
         probabilities would be computed; subclasses with interventions in the step say no as well.
         """
-        return (forward_batch.forward_mode is ForwardMode.DECODE and not forward_batch.attention_probs_rows
-                and not self._has_module_hooks())
+        return (
+            forward_batch.forward_mode is ForwardMode.DECODE
+            and not forward_batch.attention_probs_rows
+            and not self._has_module_hooks()
+        )
 
     def _has_module_hooks(self) -> bool:
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
@@ -225,9 +236,12 @@ class ModelRunner:
 
     def _replays_graph(self, forward_batch: ForwardBatch) -> bool:
         graphs = self.graph_runner
-        return (graphs is not None and self.can_use_cuda_graph(forward_batch)
-                and graphs.padded_batch_size(forward_batch.batch_size) is not None
-                and self.attention_backend_for(forward_batch) is graphs.backend)
+        return (
+            graphs is not None
+            and self.can_use_cuda_graph(forward_batch)
+            and graphs.padded_batch_size(forward_batch.batch_size) is not None
+            and self.attention_backend_for(forward_batch) is graphs.backend
+        )
 
     def attention_backend_for(self, forward_batch: ForwardBatch) -> AttentionBackend:
         """The backend that serves this step; subclasses may pick the torch one (e.g. for autograd)."""
@@ -264,11 +278,17 @@ class ModelRunner:
         if self.exact_forward is not None:  # one request per forward (`forward_groups`)
             if len(reqs) != 1:
                 raise RuntimeError(f"the exact path runs one request per forward, got {len(reqs)}")
-            return self.exact_forward.forward_batch(reqs[0], self._wants_prompt_logits(reqs[0]),
-                                                    self.keeps_all_logits(reqs[0]))
-        return packed_forward_batch(reqs, mode, self.req_to_token_pool.req_to_token, self.allocator.page_size,
-                                    [self._wants_prompt_logits(req) for req in reqs],
-                                    [self.keeps_all_logits(req) for req in reqs])
+            return self.exact_forward.forward_batch(
+                reqs[0], self._wants_prompt_logits(reqs[0]), self.keeps_all_logits(reqs[0])
+            )
+        return packed_forward_batch(
+            reqs,
+            mode,
+            self.req_to_token_pool.req_to_token,
+            self.allocator.page_size,
+            [self._wants_prompt_logits(req) for req in reqs],
+            [self.keeps_all_logits(req) for req in reqs],
+        )
 
     def packed_step(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """The base class's packed step, whatever a subclass does around it (the load-time probe runs it)."""
@@ -284,8 +304,12 @@ class ModelRunner:
 
     @staticmethod
     def _wants_prompt_logits(req: Request) -> bool:
-        return (req.sampling_params.prompt_logprobs is not None and req.prompt_logprobs is None
-                and req.num_computed_tokens == 0 and len(req.prompt_token_ids) > 1)
+        return (
+            req.sampling_params.prompt_logprobs is not None
+            and req.prompt_logprobs is None
+            and req.num_computed_tokens == 0
+            and len(req.prompt_token_ids) > 1
+        )
 
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """One packed `[1, N]` call of the HF model, then the logits rows the step needs."""
@@ -305,8 +329,7 @@ class ModelRunner:
         probs_plan = AttentionProbsPlan.for_batch(forward_batch, self.device)  # None unless a request asked
         position_ids = forward_batch.positions.to(self.device)[None]  # [1, N]
         logits_indices = forward_batch.logits_indices.to(self.device)  # [R]
-        with (forward_context(backend, probs_plan, position_ids), hf_masks_skipped(),
-              self.grad_context(forward_batch)):
+        with forward_context(backend, probs_plan, position_ids), hf_masks_skipped(), self.grad_context(forward_batch):
             output = self.model(
                 input_ids=forward_batch.input_ids.to(self.device)[None],
                 position_ids=position_ids,
@@ -325,8 +348,11 @@ class ModelRunner:
         heuristics at best, and ignore the KV cache at decode.
         """
         if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
-            logger.warning("the model's attention implementation was changed to %r outside nnrun; restoring %r",
-                           self.model.config._attn_implementation, ATTN_IMPLEMENTATION)
+            logger.warning(
+                "the model's attention implementation was changed to %r outside nnrun; restoring %r",
+                self.model.config._attn_implementation,
+                ATTN_IMPLEMENTATION,
+            )
             self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
     def grad_context(self, forward_batch: ForwardBatch) -> AbstractContextManager:
@@ -335,7 +361,9 @@ class ModelRunner:
 
     @staticmethod
     def process_logits(logits: torch.Tensor, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        prompt_logits = [None if rows is None else logits[rows[0] : rows[1]] for rows in forward_batch.prompt_logits_rows]
+        prompt_logits = [
+            None if rows is None else logits[rows[0] : rows[1]] for rows in forward_batch.prompt_logits_rows
+        ]
         return LogitsProcessorOutput(
             next_token_logits=logits[forward_batch.next_token_logits_rows],
             prompt_logits=prompt_logits if any(p is not None for p in prompt_logits) else None,
@@ -388,8 +416,10 @@ class ModelRunner:
         tokens `extend_start_loc[i] : extend_start_loc[i] + extend_seq_lens[i]`.
         """
         if self.exact_forward is not None and len(token_id_lists) > 1:
-            raise ValueError(f"this model runs on the exact path (one HF forward per prompt): run_prefill_only "
-                             f"takes one prompt at a time there, got {len(token_id_lists)}")
+            raise ValueError(
+                f"this model runs on the exact path (one HF forward per prompt): run_prefill_only "
+                f"takes one prompt at a time there, got {len(token_id_lists)}"
+            )
         with self.step_lock, self._transient_requests(token_id_lists) as reqs:
             forward_batch = self.prepare_forward_batch_extend(reqs)
             forward_batch.logits_indices = torch.zeros(0, dtype=torch.int64)

@@ -65,8 +65,9 @@ def _padding_offset_num_positions(module: torch.nn.Module) -> int:
 
 
 DECODER_POSITIONS = PositionAdapter("decoder positions", _decoder_positions, _decoder_num_positions)
-PADDING_OFFSET_POSITIONS = PositionAdapter("positions from padding_idx + 1", _padding_offset_positions,
-                                           _padding_offset_num_positions)
+PADDING_OFFSET_POSITIONS = PositionAdapter(
+    "positions from padding_idx + 1", _padding_offset_positions, _padding_offset_num_positions
+)
 
 
 def adapter_for(module: torch.nn.Module) -> PositionAdapter | None:
@@ -100,8 +101,11 @@ def adapt_positions(model: torch.nn.Module) -> list[str]:
 
 def max_positions(model: torch.nn.Module) -> int | None:
     """The longest sequence the adapted modules can number (a roberta table of 514 rows holds 512), or None."""
-    limits = [adapter.num_positions(module) for module in model.modules()
-              if (adapter := getattr(module, _ADAPTED, None)) is not None]
+    limits = [
+        adapter.num_positions(module)
+        for module in model.modules()
+        if (adapter := getattr(module, _ADAPTED, None)) is not None
+    ]
     return min((limit for limit in limits if limit is not None), default=None)
 
 
@@ -125,8 +129,13 @@ def _adapted_forward(self: torch.nn.Module, *args, **kwargs):
 
 def _has_position_temperature(module: torch.nn.Module) -> bool:
     """A Llama 4 attention layer without RoPE that scales its queries by position (HF's temperature tuning)."""
-    return (hasattr(module, "floor_scale") and hasattr(module, "attn_scale") and hasattr(module, "use_rope")
-            and bool(getattr(module, "attn_temperature_tuning", False)) and not module.use_rope)
+    return (
+        hasattr(module, "floor_scale")
+        and hasattr(module, "attn_scale")
+        and hasattr(module, "use_rope")
+        and bool(getattr(module, "attn_temperature_tuning", False))
+        and not module.use_rope
+    )
 
 
 def _temperature(module: torch.nn.Module, positions: torch.Tensor) -> torch.Tensor:

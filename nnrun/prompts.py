@@ -28,15 +28,19 @@ def split_prompts(prompts: Any, where: str = "prompts") -> list[Any]:
             return [prompts]
         if prompts.ndim == 2:
             return list(prompts)
-        raise ValueError(f"{where} as a {type(prompts).__name__} must be 1-D (one prompt of token ids) or 2-D "
-                         f"(one prompt per row), got shape {tuple(prompts.shape)}")
+        raise ValueError(
+            f"{where} as a {type(prompts).__name__} must be 1-D (one prompt of token ids) or 2-D "
+            f"(one prompt per row), got shape {tuple(prompts.shape)}"
+        )
     if isinstance(prompts, Iterable) and not isinstance(prompts, (bytes, bytearray, dict)):
         prompts = prompts if isinstance(prompts, (list, tuple)) else list(prompts)  # a generator of prompts
         # A sequence that starts with a scalar is one prompt of token ids; the token checks name a
         # bad element (a float, a bool) instead of calling it a prompt of its own.
         return [prompts] if prompts and _is_scalar(prompts[0]) else list(prompts)
-    raise ValueError(f"{where} must be a string, a sequence of token ids, a vLLM prompt dict, or a list of those; "
-                     f"got {type(prompts).__name__} {prompts!r:.60}")
+    raise ValueError(
+        f"{where} must be a string, a sequence of token ids, a vLLM prompt dict, or a list of those; "
+        f"got {type(prompts).__name__} {prompts!r:.60}"
+    )
 
 
 def split_model_input(data: Any) -> tuple[list[Any], str]:
@@ -60,8 +64,10 @@ def unmasked_rows(encoding: Any) -> list[Any]:
         return rows
     mask_rows = split_prompts(mask, "attention_mask")
     if len(mask_rows) != len(rows) or any(len(keep) != len(row) for keep, row in zip(mask_rows, rows)):
-        raise ValueError(f"attention_mask ({[len(keep) for keep in mask_rows]} positions per row) does not match "
-                         f"input_ids ({[len(row) for row in rows]})")
+        raise ValueError(
+            f"attention_mask ({[len(keep) for keep in mask_rows]} positions per row) does not match "
+            f"input_ids ({[len(row) for row in rows]})"
+        )
     return [[token for token, keep in zip(row, keeps) if keep] for row, keeps in zip(rows, mask_rows)]
 
 
@@ -74,9 +80,11 @@ def tokenize_prompt(prompt: Any, where: str, tokenizer: Any, vocab_size: int) ->
     if isinstance(prompt, (torch.Tensor, np.ndarray)):
         prompt = _array_to_list(prompt, where)
     elif not isinstance(prompt, (list, tuple)):
-        raise ValueError(f"{where} must be a string, a sequence of token ids or a vLLM prompt dict, "
-                         f"got {type(prompt).__name__} "
-                         f"{prompt!r:.60}")
+        raise ValueError(
+            f"{where} must be a string, a sequence of token ids or a vLLM prompt dict, "
+            f"got {type(prompt).__name__} "
+            f"{prompt!r:.60}"
+        )
     if not prompt:
         raise ValueError(f"{where} has no token ids")
     return None, [_token_id(token, where, position, vocab_size) for position, token in enumerate(prompt)]
@@ -98,8 +106,10 @@ def _tokenize_vllm_prompt(prompt: dict, where: str, tokenizer: Any, vocab_size: 
     """(text or None, token ids) of a vLLM prompt dict: the ids when it has them, else its text tokenized."""
     unknown = sorted(map(str, set(prompt) - VLLM_PROMPT_KEYS - VLLM_IGNORED_KEYS - VLLM_MULTIMODAL_KEYS))
     if unknown:
-        raise ValueError(f"{where} has keys nnrun does not know: {', '.join(unknown)} (a vLLM prompt dict has "
-                         f"'prompt' (text) or 'prompt_token_ids')")
+        raise ValueError(
+            f"{where} has keys nnrun does not know: {', '.join(unknown)} (a vLLM prompt dict has "
+            f"'prompt' (text) or 'prompt_token_ids')"
+        )
     multimodal = sorted(key for key in VLLM_MULTIMODAL_KEYS if prompt.get(key))
     if multimodal:
         raise ValueError(f"{where} has {', '.join(multimodal)}: nnrun serves text-only language models")
@@ -112,12 +122,15 @@ def _tokenize_vllm_prompt(prompt: dict, where: str, tokenizer: Any, vocab_size: 
             raise ValueError(f"{where}['prompt_token_ids'] must be token ids, got a string")
         return text, tokenize_prompt(ids, f"{where}['prompt_token_ids']", tokenizer, vocab_size)[1]
     if "prompt" not in prompt:
-        raise ValueError(f"{where} needs 'prompt' (text) or 'prompt_token_ids', got keys "
-                         f"{', '.join(map(str, prompt)) or 'none'}")
+        raise ValueError(
+            f"{where} needs 'prompt' (text) or 'prompt_token_ids', got keys {', '.join(map(str, prompt)) or 'none'}"
+        )
     text = prompt["prompt"]
     if not isinstance(text, str):
-        raise ValueError(f"{where}['prompt'] must be text, got {type(text).__name__} {text!r:.60}; "
-                         f"token ids go in 'prompt_token_ids'")
+        raise ValueError(
+            f"{where}['prompt'] must be text, got {type(text).__name__} {text!r:.60}; "
+            f"token ids go in 'prompt_token_ids'"
+        )
     return text, _encode(text, f"{where}['prompt']", tokenizer, vocab_size)
 
 
@@ -126,8 +139,9 @@ def _token_id(token: Any, where: str, position: int, vocab_size: int) -> int:
     if isinstance(token, torch.Tensor) and token.ndim == 0 and is_integer_dtype(token.dtype):
         token = token.item()
     if isinstance(token, bool) or not isinstance(token, numbers.Integral):
-        raise ValueError(f"{where} token id {token!r} at position {position} is not an integer "
-                         f"(got {type(token).__name__})")
+        raise ValueError(
+            f"{where} token id {token!r} at position {position} is not an integer (got {type(token).__name__})"
+        )
     token = int(token)
     if not 0 <= token < vocab_size:
         raise ValueError(f"{where} token id {token} at position {position} is out of the vocabulary [0, {vocab_size})")
@@ -140,8 +154,10 @@ def _encode(text: str, where: str, tokenizer: Any, vocab_size: int) -> list[int]
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise ValueError(f"{where} contains a lone surrogate {text[error.start]!r} at position {error.start} "
-                         f"that cannot be encoded as UTF-8") from None
+        raise ValueError(
+            f"{where} contains a lone surrogate {text[error.start]!r} at position {error.start} "
+            f"that cannot be encoded as UTF-8"
+        ) from None
     if tokenizer is None:
         raise ValueError(f"{where} is text but the model has no tokenizer; pass token ids or tokenizer=")
     token_ids = text_token_ids(text, tokenizer)
@@ -165,8 +181,11 @@ def text_token_ids(text: str, tokenizer: Any) -> list[int]:
     """
     if _is_plain_fast_tokenizer(tokenizer):
         backend = tokenizer._tokenizer
-        if (backend.truncation is None and backend.padding is None
-                and backend.encode_special_tokens == tokenizer.split_special_tokens):
+        if (
+            backend.truncation is None
+            and backend.padding is None
+            and backend.encode_special_tokens == tokenizer.split_special_tokens
+        ):
             # `encode`, not HF's one-item `encode_batch`: the same ids, without handing the GIL
             # and the work to the tokenizer's thread pool (which the engine thread then contends with).
             token_ids = backend.encode(text, add_special_tokens=True).ids
@@ -178,13 +197,15 @@ def text_token_ids(text: str, tokenizer: Any) -> list[int]:
 def _is_plain_fast_tokenizer(tokenizer: Any) -> bool:
     """Whether `tokenizer(text)` runs HF's fast-tokenizer steps unchanged (no subclass overrides one)."""
     cls = type(tokenizer)
-    return (isinstance(tokenizer, TokenizersBackend)
-            and cls.__call__ is PreTrainedTokenizerBase.__call__
-            and cls._get_padding_truncation_strategies is PreTrainedTokenizerBase._get_padding_truncation_strategies
-            and cls._encode_plus is TokenizersBackend._encode_plus
-            and cls.set_truncation_and_padding is TokenizersBackend.set_truncation_and_padding
-            and cls._convert_encoding is TokenizersBackend._convert_encoding
-            and not hasattr(cls, "_switch_to_input_mode"))  # translation tokenizers switch language modes
+    return (
+        isinstance(tokenizer, TokenizersBackend)
+        and cls.__call__ is PreTrainedTokenizerBase.__call__
+        and cls._get_padding_truncation_strategies is PreTrainedTokenizerBase._get_padding_truncation_strategies
+        and cls._encode_plus is TokenizersBackend._encode_plus
+        and cls.set_truncation_and_padding is TokenizersBackend.set_truncation_and_padding
+        and cls._convert_encoding is TokenizersBackend._convert_encoding
+        and not hasattr(cls, "_switch_to_input_mode")
+    )  # translation tokenizers switch language modes
 
 
 def _array_to_list(array: torch.Tensor | np.ndarray, where: str) -> list[int]:

@@ -30,8 +30,10 @@ class SamplerOutput:
     row_errors: dict[int, str] = field(default_factory=dict)  # row -> why it could not be sampled (its request fails)
 
 
-UNSAMPLABLE_ROW = ("its logits hold NaN or +inf, or no finite value, after temperature and filtering, so no token "
-                   "can be sampled (HF's sampling raises on such a row)")
+UNSAMPLABLE_ROW = (
+    "its logits hold NaN or +inf, or no finite value, after temperature and filtering, so no token "
+    "can be sampled (HF's sampling raises on such a row)"
+)
 
 
 class Sampler:

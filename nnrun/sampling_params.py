@@ -41,15 +41,18 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) exceeds max_tokens ({self.max_tokens})")
         self.temperature = _float_field("temperature", self.temperature, 0.0, math.inf)
         if 0.0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(f"SamplingParams.temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
-                             f"got {self.temperature!r}")
+            raise ValueError(
+                f"SamplingParams.temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, "
+                f"got {self.temperature!r}"
+            )
         self.top_p = _float_field("top_p", self.top_p, 0.0, 1.0, is_low_open=True)
         self.top_k = _int_field("top_k", self.top_k, minimum=-1)
         if self.top_k == -1:
             self.top_k = 0
         self.min_p = _float_field("min_p", self.min_p, 0.0, 1.0)
-        self.repetition_penalty = _float_field("repetition_penalty", self.repetition_penalty, 0.0, math.inf,
-                                               is_low_open=True)
+        self.repetition_penalty = _float_field(
+            "repetition_penalty", self.repetition_penalty, 0.0, math.inf, is_low_open=True
+        )
         self.frequency_penalty = _float_field("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         self.presence_penalty = _float_field("presence_penalty", self.presence_penalty, -2.0, 2.0)
         self.seed = _int_field("seed", self.seed, minimum=SEED_RANGE[0], maximum=SEED_RANGE[1], optional=True)
@@ -81,8 +84,9 @@ def _normalize_stop(stop: object) -> list[str]:
     raise ValueError(f"SamplingParams.stop must be a str or a list of str, got {type(stop).__name__}: {stop!r}")
 
 
-def _int_field(name: str, value: object, *, minimum: int, maximum: int | None = None,
-               optional: bool = False) -> int | None:
+def _int_field(
+    name: str, value: object, *, minimum: int, maximum: int | None = None, optional: bool = False
+) -> int | None:
     """`value` as a Python int in [minimum, maximum]; numpy integers count, bools and floats do not."""
     if value is None and optional:
         return None

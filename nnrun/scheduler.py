@@ -26,8 +26,13 @@ class Scheduler:
     request is preempted: its KV is freed and it is recomputed from its tokens later.
     """
 
-    def __init__(self, config: SchedulerConfig, allocator: TokenToKVPoolAllocator,
-                 req_to_token_pool: ReqToTokenPool, stop_checker: StopChecker) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        allocator: TokenToKVPoolAllocator,
+        req_to_token_pool: ReqToTokenPool,
+        stop_checker: StopChecker,
+    ) -> None:
         self.config = config
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
@@ -52,9 +57,12 @@ class Scheduler:
         if not scheduled:
             if self.running:  # only unpreemptible requests hold the pool and none can grow: fail the newest
                 stuck = max(self.running, key=lambda r: r.arrival_order)
-                stuck.fail(RuntimeError(
-                    f"KV pool exhausted: request {stuck.request_id} cannot grow and no running request may be "
-                    "preempted; give the engine a larger pool (max_total_tokens / num_pages)"))
+                stuck.fail(
+                    RuntimeError(
+                        f"KV pool exhausted: request {stuck.request_id} cannot grow and no running request may be "
+                        "preempted; give the engine a larger pool (max_total_tokens / num_pages)"
+                    )
+                )
                 self._finish(stuck, FinishReason.ERROR, stuck.error)
                 self.just_failed.append(stuck)
             return None
@@ -77,7 +85,8 @@ class Scheduler:
                     error = RuntimeError(
                         f"request {unit[0].request_id} ({len(unit)} request(s) that must run together) needs "
                         f"{sum(r.num_tokens for r in unit)} KV slots but the whole pool has "
-                        f"{self.allocator.num_free_tokens} free")
+                        f"{self.allocator.num_free_tokens} free"
+                    )
                     for req in unit:
                         self._finish(req, FinishReason.ERROR, error)
                         self.just_failed.append(req)
@@ -149,8 +158,9 @@ class Scheduler:
         release_kv(req, self.allocator, self.req_to_token_pool)
 
     # ---- after the step -------------------------------------------------------------------
-    def process_batch_result(self, reqs: list[Request], next_token_ids: list[int],
-                             logprobs: list[dict[int, float] | None]) -> list[Request]:
+    def process_batch_result(
+        self, reqs: list[Request], next_token_ids: list[int], logprobs: list[dict[int, float] | None]
+    ) -> list[Request]:
         """Append each request's new token and finish those that stop; returns the finished ones."""
         finished = []
         for req, token_id, token_logprobs in zip(reqs, next_token_ids, logprobs):
@@ -196,5 +206,3 @@ class Scheduler:
         req.finish_reason = reason
         if error is not None:
             req.error = error
-
-

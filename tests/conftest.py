@@ -17,8 +17,11 @@ SLOW_FOLDERS = ("serve", "distributed", "tp")
 
 
 def pytest_addoption(parser):
-    parser.addoption("--stress", action="store_true",
-                     help="run the repeated scenarios (interpreter exits) at their full counts, not a few each")
+    parser.addoption(
+        "--stress",
+        action="store_true",
+        help="run the repeated scenarios (interpreter exits) at their full counts, not a few each",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -32,9 +35,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_llm():
     """An LLM over a random Llama with a real (GPT-2 style byte-level) tokenizer built offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     import nnrun
 
@@ -42,12 +45,23 @@ def tiny_llm():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=tokenizer.eos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     llm = nnrun.LLM(LlamaForCausalLM(config).eval(), tokenizer=tokenizer)
     yield llm, tokenizer
     llm.shutdown()

@@ -77,8 +77,7 @@ def _replay_step(func, args, kwargs, captured_output) -> Callable[[], None]:
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     """In-place ops return their input and views alias it: nothing to copy then."""
-    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            and a.dtype == b.dtype)
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 @contextmanager

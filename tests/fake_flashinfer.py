@@ -105,9 +105,25 @@ class _Plan:
     o_data_type: torch.dtype
 
 
-def _make_plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads, head_dim_qk,
-               head_dim_vo, page_size, causal, pos_encoding_mode, sm_scale, window_left, logits_soft_cap,
-               q_data_type, kv_data_type, o_data_type) -> _Plan:
+def _make_plan(
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_len,
+    num_qo_heads,
+    num_kv_heads,
+    head_dim_qk,
+    head_dim_vo,
+    page_size,
+    causal,
+    pos_encoding_mode,
+    sm_scale,
+    window_left,
+    logits_soft_cap,
+    q_data_type,
+    kv_data_type,
+    o_data_type,
+) -> _Plan:
     batch_size = kv_last_page_len.numel()
     qo = _check_index("qo_indptr", qo_indptr, batch_size + 1)
     kv = _check_index("paged_kv_indptr", kv_indptr, batch_size + 1)
@@ -125,13 +141,29 @@ def _make_plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
         raise NotImplementedError(f"the emulator implements pos_encoding_mode='NONE' only, got {pos_encoding_mode!r}")
     q_dtype = _canonical_dtype(q_data_type)
     kv_dtype = _canonical_dtype(kv_data_type) or q_dtype
-    return _Plan(qo, kv, indices, last, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo or head_dim_qk, page_size,
-                 causal, head_dim_qk ** -0.5 if sm_scale is None else sm_scale, window_left, logits_soft_cap or 0.0,
-                 q_dtype, kv_dtype, _canonical_dtype(o_data_type) or q_dtype)
+    return _Plan(
+        qo,
+        kv,
+        indices,
+        last,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim_qk,
+        head_dim_vo or head_dim_qk,
+        page_size,
+        causal,
+        head_dim_qk**-0.5 if sm_scale is None else sm_scale,
+        window_left,
+        logits_soft_cap or 0.0,
+        q_dtype,
+        kv_dtype,
+        _canonical_dtype(o_data_type) or q_dtype,
+    )
 
 
-def _attend(plan: _Plan, q: torch.Tensor, paged_kv_cache: KVCache, kv_layout: str,
-            window_left: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend(
+    plan: _Plan, q: torch.Tensor, paged_kv_cache: KVCache, kv_layout: str, window_left: Optional[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The documented semantics, one request at a time in float32.
 
     Returns the output and the log-sum-exp of each row's (scaled, capped, masked) logits, `[N, Hq]`
@@ -146,11 +178,15 @@ def _attend(plan: _Plan, q: torch.Tensor, paged_kv_cache: KVCache, kv_layout: st
     expected_kv = (plan.page_size, plan.num_kv_heads)
     kv_dtypes = {k_cache.dtype, v_cache.dtype}
     if tuple(k_cache.shape[1:3]) != expected_kv or kv_dtypes != {plan.kv_data_type}:
-        raise ValueError(f"KV pages are {k_cache.dtype} {tuple(k_cache.shape)}, the plan expects {plan.kv_data_type} "
-                         f"[pages, {plan.page_size}, {plan.num_kv_heads}, ...]")
+        raise ValueError(
+            f"KV pages are {k_cache.dtype} {tuple(k_cache.shape)}, the plan expects {plan.kv_data_type} "
+            f"[pages, {plan.page_size}, {plan.num_kv_heads}, ...]"
+        )
     if k_cache.shape[3] != plan.head_dim_qk or v_cache.shape[3] != plan.head_dim_vo:
-        raise ValueError(f"head dims {k_cache.shape[3]}/{v_cache.shape[3]} differ from the planned "
-                         f"{plan.head_dim_qk}/{plan.head_dim_vo}")
+        raise ValueError(
+            f"head dims {k_cache.shape[3]}/{v_cache.shape[3]} differ from the planned "
+            f"{plan.head_dim_qk}/{plan.head_dim_vo}"
+        )
     if plan.kv_indices[: int(plan.kv_indptr[-1])].ge(k_cache.shape[0]).any():
         raise IndexError("a page index is out of range of the KV cache")
     seq_lens = get_seq_lens(plan.kv_indptr, plan.kv_last_page_len, plan.page_size).tolist()
@@ -186,12 +222,22 @@ class BatchPrefillWithPagedKVCacheWrapper:
     calls: list[Call] = []  # replaced per module by make_fake_flashinfer
 
     @_recorded
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
-                 qo_indptr_buf: PosTensor = None, paged_kv_indptr_buf: PosTensor = None,
-                 paged_kv_indices_buf: PosTensor = None, paged_kv_last_page_len_buf: PosTensor = None,
-                 custom_mask_buf: PosTensor = None, mask_indptr_buf: PosTensor = None, backend: str = "auto",
-                 jit_args: Optional[list] = None, jit_kwargs: Optional[dict] = None,
-                 variant_owns_mask: bool = False) -> None:
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf: PosTensor = None,
+        paged_kv_indptr_buf: PosTensor = None,
+        paged_kv_indices_buf: PosTensor = None,
+        paged_kv_last_page_len_buf: PosTensor = None,
+        custom_mask_buf: PosTensor = None,
+        mask_indptr_buf: PosTensor = None,
+        backend: str = "auto",
+        jit_args: Optional[list] = None,
+        jit_kwargs: Optional[dict] = None,
+        variant_owns_mask: bool = False,
+    ) -> None:
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be NHD or HND, got {kv_layout!r}")
         if use_cuda_graph or custom_mask_buf is not None:
@@ -202,38 +248,100 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self._info: dict = {}
 
     @_recorded
-    def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
-             paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim_qk: int,
-             page_size: int, head_dim_vo: Optional[int] = None, custom_mask: PosTensor = None,
-             packed_custom_mask: PosTensor = None, causal: bool = False, pos_encoding_mode: str = "NONE",
-             use_fp16_qk_reduction: bool = False, sm_scale: Optional[float] = None, window_left: int = -1,
-             logits_soft_cap: Optional[float] = None, rope_scale: Optional[float] = None,
-             rope_theta: Optional[float] = None, q_data_type: Union[str, torch.dtype] = "float16",
-             kv_data_type: Union[str, torch.dtype, None] = None, o_data_type: Union[str, torch.dtype, None] = None,
-             non_blocking: bool = True, prefix_len_ptr: PosTensor = None, token_pos_in_items_ptr: PosTensor = None,
-             token_pos_in_items_len: int = 0, max_item_len_ptr: PosTensor = None, seq_lens: PosTensor = None,
-             seq_lens_q: PosTensor = None, block_tables: PosTensor = None,
-             max_token_per_sequence: Optional[int] = None, max_sequence_kv: Optional[int] = None,
-             fixed_split_size: Optional[int] = None, disable_split_kv: bool = False,
-             uniform_q_len: Optional[int] = None) -> None:
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        page_size: int,
+        head_dim_vo: Optional[int] = None,
+        custom_mask: PosTensor = None,
+        packed_custom_mask: PosTensor = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        sm_scale: Optional[float] = None,
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+        q_data_type: Union[str, torch.dtype] = "float16",
+        kv_data_type: Union[str, torch.dtype, None] = None,
+        o_data_type: Union[str, torch.dtype, None] = None,
+        non_blocking: bool = True,
+        prefix_len_ptr: PosTensor = None,
+        token_pos_in_items_ptr: PosTensor = None,
+        token_pos_in_items_len: int = 0,
+        max_item_len_ptr: PosTensor = None,
+        seq_lens: PosTensor = None,
+        seq_lens_q: PosTensor = None,
+        block_tables: PosTensor = None,
+        max_token_per_sequence: Optional[int] = None,
+        max_sequence_kv: Optional[int] = None,
+        fixed_split_size: Optional[int] = None,
+        disable_split_kv: bool = False,
+        uniform_q_len: Optional[int] = None,
+    ) -> None:
         if custom_mask is not None or packed_custom_mask is not None:
             raise NotImplementedError("the emulator has no custom masks")
-        self._plan = _make_plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-                                num_kv_heads, head_dim_qk, head_dim_vo, page_size, causal, pos_encoding_mode, sm_scale,
-                                window_left, logits_soft_cap, q_data_type, kv_data_type, o_data_type)
+        self._plan = _make_plan(
+            qo_indptr,
+            paged_kv_indptr,
+            paged_kv_indices,
+            paged_kv_last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim_qk,
+            head_dim_vo,
+            page_size,
+            causal,
+            pos_encoding_mode,
+            sm_scale,
+            window_left,
+            logits_soft_cap,
+            q_data_type,
+            kv_data_type,
+            o_data_type,
+        )
         self._info = {"plan": self._plan}
 
     @_recorded
-    def run(self, q: torch.Tensor, paged_kv_cache: KVCache, *args, q_scale=None, k_scale=None, v_scale=None,
-            out: PosTensor = None, lse: PosTensor = None, return_lse: bool = False, lse_base: str = "log2",
-            lse_layout: str = "NH", enable_pdl: Optional[bool] = None, window_left: Optional[int] = None,
-            sinks: PosTensor = None, kv_cache_sf=None, skip_softmax_threshold_scale_factor: Optional[float] = None,
-            use_fp16_softmax: Optional[bool] = None, uses_spcompress: Optional[bool] = None) -> torch.Tensor:
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: KVCache,
+        *args,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        out: PosTensor = None,
+        lse: PosTensor = None,
+        return_lse: bool = False,
+        lse_base: str = "log2",
+        lse_layout: str = "NH",
+        enable_pdl: Optional[bool] = None,
+        window_left: Optional[int] = None,
+        sinks: PosTensor = None,
+        kv_cache_sf=None,
+        skip_softmax_threshold_scale_factor: Optional[float] = None,
+        use_fp16_softmax: Optional[bool] = None,
+        uses_spcompress: Optional[bool] = None,
+    ) -> torch.Tensor:
         if lse_base != "log2" or lse_layout != "NH" or lse is not None:
             raise NotImplementedError("the emulator returns lse in base 2, layout NH, into a new tensor")
-        return _run_planned(self, q, paged_kv_cache, out, window_left, return_lse,
-                            unsupported=bool(args) or sinks is not None
-                            or any(s is not None for s in (q_scale, k_scale, v_scale)))
+        return _run_planned(
+            self,
+            q,
+            paged_kv_cache,
+            out,
+            window_left,
+            return_lse,
+            unsupported=bool(args) or sinks is not None or any(s is not None for s in (q_scale, k_scale, v_scale)),
+        )
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -242,10 +350,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
     calls: list[Call] = []
 
     @_recorded
-    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD", use_cuda_graph: bool = False,
-                 use_tensor_cores: bool = False, paged_kv_indptr_buffer: PosTensor = None,
-                 paged_kv_indices_buffer: PosTensor = None, paged_kv_last_page_len_buffer: PosTensor = None,
-                 backend: str = "auto", jit_args: Optional[list] = None) -> None:
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        use_tensor_cores: bool = False,
+        paged_kv_indptr_buffer: PosTensor = None,
+        paged_kv_indices_buffer: PosTensor = None,
+        paged_kv_last_page_len_buffer: PosTensor = None,
+        backend: str = "auto",
+        jit_args: Optional[list] = None,
+    ) -> None:
         if kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be NHD or HND, got {kv_layout!r}")
         if use_cuda_graph:
@@ -265,29 +381,67 @@ class BatchDecodeWithPagedKVCacheWrapper:
     # The real plan() takes `*deprecated_positional_args, **kwargs` after page_size and forwards
     # them to a keyword-only implementation; these are that implementation's keywords.
     @_recorded
-    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, num_qo_heads: int,
-             num_kv_heads: int, head_dim: int, page_size: int, *, pos_encoding_mode: str = "NONE",
-             window_left: int = -1, window_right: int = 0, logits_soft_cap: Optional[float] = None,
-             q_data_type: Union[str, torch.dtype, None] = "float16", kv_data_type: Union[str, torch.dtype, None] = None,
-             o_data_type: Union[str, torch.dtype, None] = None, data_type: Union[str, torch.dtype, None] = None,
-             sm_scale: Optional[float] = None, rope_scale: Optional[float] = None, rope_theta: Optional[float] = None,
-             non_blocking: bool = True, block_tables: PosTensor = None, seq_lens: PosTensor = None,
-             fixed_split_size: Optional[int] = None, disable_split_kv: bool = False, q_len_per_req: int = 1,
-             is_causal: Optional[bool] = None) -> None:
+    def plan(
+        self,
+        indptr: torch.Tensor,
+        indices: torch.Tensor,
+        last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        *,
+        pos_encoding_mode: str = "NONE",
+        window_left: int = -1,
+        window_right: int = 0,
+        logits_soft_cap: Optional[float] = None,
+        q_data_type: Union[str, torch.dtype, None] = "float16",
+        kv_data_type: Union[str, torch.dtype, None] = None,
+        o_data_type: Union[str, torch.dtype, None] = None,
+        data_type: Union[str, torch.dtype, None] = None,
+        sm_scale: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+        non_blocking: bool = True,
+        block_tables: PosTensor = None,
+        seq_lens: PosTensor = None,
+        fixed_split_size: Optional[int] = None,
+        disable_split_kv: bool = False,
+        q_len_per_req: int = 1,
+        is_causal: Optional[bool] = None,
+    ) -> None:
         if q_len_per_req != 1 or window_right != 0:
             raise NotImplementedError("the emulator decodes one token per request with window_right=0")
         batch_size = last_page_len.numel()
         qo_indptr = torch.arange(batch_size + 1, dtype=torch.int32)  # one query row per request
-        self._plan = _make_plan(qo_indptr, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
-                                head_dim, page_size, False, pos_encoding_mode, sm_scale, window_left,
-                                logits_soft_cap, q_data_type or data_type, kv_data_type or data_type, o_data_type)
+        self._plan = _make_plan(
+            qo_indptr,
+            indptr,
+            indices,
+            last_page_len,
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            head_dim,
+            page_size,
+            False,
+            pos_encoding_mode,
+            sm_scale,
+            window_left,
+            logits_soft_cap,
+            q_data_type or data_type,
+            kv_data_type or data_type,
+            o_data_type,
+        )
         self._info = {"plan": self._plan}
         if self.use_cuda_graph:
             indptr_buf, indices_buf, last_page_len_buf = self._buffers
             if batch_size != len(last_page_len_buf):
-                raise ValueError(f"The batch size should be fixed during the lifecycle of the wrapper in cudagraph "
-                                 f"mode, the runtime batch size {batch_size} mismatches the batch size "
-                                 f"{len(last_page_len_buf)} set during initialization.")
+                raise ValueError(
+                    f"The batch size should be fixed during the lifecycle of the wrapper in cudagraph "
+                    f"mode, the runtime batch size {batch_size} mismatches the batch size "
+                    f"{len(last_page_len_buf)} set during initialization."
+                )
             if len(indices) > len(indices_buf):
                 raise ValueError("The size of indices should be less than or equal to the allocated buffer")
             indptr_buf.copy_(indptr)
@@ -295,34 +449,61 @@ class BatchDecodeWithPagedKVCacheWrapper:
             indices_buf[: len(indices)].copy_(indices)
 
     @_recorded
-    def run(self, q: torch.Tensor, paged_kv_cache: KVCache, *args, q_scale=None, k_scale=None, v_scale=None,
-            out: PosTensor = None, lse: PosTensor = None, return_lse: bool = False, enable_pdl: Optional[bool] = None,
-            window_left: Optional[int] = None, sinks: PosTensor = None, q_len_per_req: Optional[int] = None,
-            skip_softmax_threshold_scale_factor: Optional[float] = None, kv_cache_sf=None) -> torch.Tensor:
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: KVCache,
+        *args,
+        q_scale=None,
+        k_scale=None,
+        v_scale=None,
+        out: PosTensor = None,
+        lse: PosTensor = None,
+        return_lse: bool = False,
+        enable_pdl: Optional[bool] = None,
+        window_left: Optional[int] = None,
+        sinks: PosTensor = None,
+        q_len_per_req: Optional[int] = None,
+        skip_softmax_threshold_scale_factor: Optional[float] = None,
+        kv_cache_sf=None,
+    ) -> torch.Tensor:
         # The query is the last token of its request: no key lies after it, so no causal mask is needed.
         if lse is not None:
             raise NotImplementedError("the emulator returns lse into a new tensor")
         if self.use_cuda_graph:
             return self._run_from_buffers(q, paged_kv_cache, out, window_left, return_lse)
-        return _run_planned(self, q, paged_kv_cache, out, window_left, return_lse,
-                            unsupported=bool(args) or sinks is not None
-                            or any(s is not None for s in (q_scale, k_scale, v_scale)))
-
+        return _run_planned(
+            self,
+            q,
+            paged_kv_cache,
+            out,
+            window_left,
+            return_lse,
+            unsupported=bool(args) or sinks is not None or any(s is not None for s in (q_scale, k_scale, v_scale)),
+        )
 
     def _run_from_buffers(self, q, paged_kv_cache, out, window_left, return_lse):
         """Graph mode: one kernel launch that reads the page tables from the fixed buffers when it runs."""
         if self._plan is None:
             raise RuntimeError("plan() must be called before run()")
         planned = self._plan
-        out = out if out is not None else torch.empty(
-            (q.shape[0], planned.num_qo_heads, planned.head_dim_vo), dtype=planned.o_data_type, device=q.device)
+        out = (
+            out
+            if out is not None
+            else torch.empty(
+                (q.shape[0], planned.num_qo_heads, planned.head_dim_vo), dtype=planned.o_data_type, device=q.device
+            )
+        )
         lse = torch.empty((q.shape[0], planned.num_qo_heads), dtype=torch.float32, device=q.device)  # [N, Hq]
         indptr_buf, indices_buf, last_page_len_buf = self._buffers
 
         def kernel() -> None:
-            current = dataclasses.replace(planned, kv_indptr=indptr_buf.cpu().long(),
-                                          kv_indices=indices_buf.cpu().long(),
-                                          kv_last_page_len=last_page_len_buf.cpu().long())
+            current = dataclasses.replace(
+                planned,
+                kv_indptr=indptr_buf.cpu().long(),
+                kv_indices=indices_buf.cpu().long(),
+                kv_last_page_len=last_page_len_buf.cpu().long(),
+            )
             result, result_lse = _attend(current, q, paged_kv_cache, self.kv_layout, window_left)
             out.copy_(result)
             lse.copy_(result_lse)
@@ -347,6 +528,7 @@ def _run_planned(wrapper, q: torch.Tensor, paged_kv_cache, out, window_left, ret
         out.copy_(result)
         result = out
     return (result, lse) if return_lse else result
+
 
 def make_fake_flashinfer() -> types.ModuleType:
     """A fresh `flashinfer` stand-in whose wrappers record into its own `calls` list."""

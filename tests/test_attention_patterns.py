@@ -55,12 +55,19 @@ def sharp_pair(family: str):
 @torch.no_grad()
 def hf_generate_attentions(oracle, prompt: list[int], num_new: int):
     """HF eager generation: the tokens, and per step a tuple of per-layer `[1, H, q, kv]` probabilities."""
-    out = oracle.generate(torch.tensor([prompt]), max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False,
-                          output_attentions=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), out.attentions
+    out = oracle.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=num_new,
+        min_new_tokens=num_new,
+        do_sample=False,
+        output_attentions=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[0, len(prompt) :].tolist(), out.attentions
 
 
 # ---- every family, against plain HF eager -----------------------------------------------------
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_probabilities_equal_hf_eager(family):
@@ -91,21 +98,21 @@ def test_generation_step_probabilities_equal_hf_eager_over_the_cache(family):
     tokens, expected = hf_generate_attentions(oracle, prompt, NUM_NEW)
     lm = nnrun.LanguageModel(model)
     try:
-        with lm.generate(prompt, max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
-                         output_attentions=True) as tracer:
+        with lm.generate(prompt, max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, output_attentions=True) as tracer:
             steps = list().save()
             for _ in tracer.iter[:NUM_NEW]:
                 steps.append([envoy_at(lm, path).output[1] for path in paths])
             ids = tracer.result.save()
     finally:
         lm.shutdown()
-    assert ids[0, len(prompt):].tolist() == tokens, family
+    assert ids[0, len(prompt) :].tolist() == tokens, family
     assert len(steps) == len(expected) == NUM_NEW
     for step, (want_layers, have_layers) in enumerate(zip(expected, steps)):
         for layer, (want, have) in enumerate(zip(want_layers, have_layers)):
             assert have.shape == want.shape, (family, step, layer, tuple(have.shape), tuple(want.shape))
-            torch.testing.assert_close(have, want, atol=TOL, rtol=0,
-                                       msg=lambda m: f"{family} step {step} layer {layer}: {m}")
+            torch.testing.assert_close(
+                have, want, atol=TOL, rtol=0, msg=lambda m: f"{family} step {step} layer {layer}: {m}"
+            )
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma2", "gpt2", "phi3"])
@@ -121,15 +128,18 @@ def test_engine_steps_mixing_prefills_and_decodes(family):
         with nnrun.LLM(model, page_size=4, max_num_batched_tokens=48) as llm:
             recorded = record_probabilities(llm)
             with llm.paused():  # every request waits before the first step: the same steps in both runs
-                handles = [llm.submit(p, params, extra_args={OUTPUT_ATTENTIONS_ARG: True} if flag else None)
-                           for p, flag in zip(prompts, flags)]
+                handles = [
+                    llm.submit(p, params, extra_args={OUTPUT_ATTENTIONS_ARG: True} if flag else None)
+                    for p, flag in zip(prompts, flags)
+                ]
             outputs = [handle.result() for handle in handles]
             windows = [layer.sliding_window for layer in llm.runner.layers]
             recorded.pop("remove_hooks")()
         runs[label] = (outputs, recorded, windows)
     outputs, recorded, windows = runs["asking"]
-    assert any(mode is ForwardMode.EXTEND and num_decoding for mode, num_decoding, _ in recorded["steps"]), \
+    assert any(mode is ForwardMode.EXTEND and num_decoding for mode, num_decoding, _ in recorded["steps"]), (
         "the workload must mix decodes into prefill steps"
+    )
     for i, (prompt, output) in enumerate(zip(prompts, outputs)):
         quiet = runs["none"][0][i].outputs[0]
         if not asks[i]:
@@ -150,8 +160,13 @@ def test_engine_steps_mixing_prefills_and_decodes(family):
                 position = len(prompt) + step
                 start = 0 if window is None else max(0, position - window + 1)
                 assert probs.shape == (1, full[layer].shape[1], 1, position + 1 - start), (family, layer, step)
-                torch.testing.assert_close(probs[0, :, 0], full[layer][0, :, position, start : position + 1],
-                                           atol=TOL, rtol=0, msg=lambda m: f"{family} layer {layer} step {step}: {m}")
+                torch.testing.assert_close(
+                    probs[0, :, 0],
+                    full[layer][0, :, position, start : position + 1],
+                    atol=TOL,
+                    rtol=0,
+                    msg=lambda m: f"{family} layer {layer} step {step}: {m}",
+                )
 
 
 def record_probabilities(llm: nnrun.LLM) -> dict:
@@ -185,6 +200,7 @@ def record_probabilities(llm: nnrun.LLM) -> dict:
 
 
 # ---- the nnsight API, against nnsight on an eager HF model ------------------------------------
+
 
 @pytest.fixture(scope="module")
 def models():
@@ -324,6 +340,7 @@ def test_refusals_name_the_keyword(models):
 
 
 # ---- the FlashInfer backend (emulated) and CUDA graphs ----------------------------------------
+
 
 @pytest.fixture
 def fake(monkeypatch):

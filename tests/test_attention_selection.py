@@ -16,8 +16,12 @@ from nnrun.model_probe import AttentionLayerInfo
 
 def _layers(head_dim: int) -> list[AttentionLayerInfo]:
     shape = LayerKVShape(num_kv_heads=2, head_dim=head_dim, v_head_dim=head_dim)
-    return [AttentionLayerInfo(layer_idx=i, num_q_heads=4, kv_shape=shape, scaling=head_dim ** -0.5,
-                               sliding_window=None, softcap=None) for i in range(2)]
+    return [
+        AttentionLayerInfo(
+            layer_idx=i, num_q_heads=4, kv_shape=shape, scaling=head_dim**-0.5, sliding_window=None, softcap=None
+        )
+        for i in range(2)
+    ]
 
 
 def _bf16_pool():

@@ -16,21 +16,27 @@ def llm():
         yield engine
 
 
-@pytest.mark.parametrize("make_call, match", [
-    (lambda llm: llm.generate([""]), "empty"),
-    (lambda llm: llm.generate([[]]), "no token ids"),
-    (lambda llm: llm.generate([[1, 2], [3, VOCAB]]), r"prompts\[1\] token id 256 at position 1 is out of the vocabulary"),
-    (lambda llm: llm.generate([[1, -1]]), "out of the vocabulary"),
-    (lambda llm: llm.generate([[1] * 128]), "max_model_len"),
-    (lambda llm: llm.generate([[1, 2]], nnrun.SamplingParams(max_tokens=0)), "max_tokens"),
-    (lambda llm: llm.generate([[1, 2]], nnrun.SamplingParams(max_tokens=-3)), "max_tokens"),
-    (lambda llm: llm.generate([[1, 2]], nnrun.SamplingParams(temperature=-0.5)), "temperature"),
-    (lambda llm: llm.generate([[1, 2]], nnrun.SamplingParams(stop=7)), "stop"),
-    (lambda llm: llm.generate([[1, 2]], nnrun.SamplingParams(stop_token_ids=["x"])), "stop_token_ids"),
-    (lambda llm: llm.generate([[1, 2]], nnrun.SamplingParams(top_p=0)), "top_p"),
-    (lambda llm: llm.generate([[1, 2], [3]], [nnrun.SamplingParams()]), "sampling_params has 1 entries for 2"),
-    (lambda llm: llm.generate(["text"]), "no tokenizer"),
-])
+@pytest.mark.parametrize(
+    "make_call, match",
+    [
+        (lambda llm: llm.generate([""]), "empty"),
+        (lambda llm: llm.generate([[]]), "no token ids"),
+        (
+            lambda llm: llm.generate([[1, 2], [3, VOCAB]]),
+            r"prompts\[1\] token id 256 at position 1 is out of the vocabulary",
+        ),
+        (lambda llm: llm.generate([[1, -1]]), "out of the vocabulary"),
+        (lambda llm: llm.generate([[1] * 128]), "max_model_len"),
+        (lambda llm: llm.generate([[1, 2]], nnrun.SamplingParams(max_tokens=0)), "max_tokens"),
+        (lambda llm: llm.generate([[1, 2]], nnrun.SamplingParams(max_tokens=-3)), "max_tokens"),
+        (lambda llm: llm.generate([[1, 2]], nnrun.SamplingParams(temperature=-0.5)), "temperature"),
+        (lambda llm: llm.generate([[1, 2]], nnrun.SamplingParams(stop=7)), "stop"),
+        (lambda llm: llm.generate([[1, 2]], nnrun.SamplingParams(stop_token_ids=["x"])), "stop_token_ids"),
+        (lambda llm: llm.generate([[1, 2]], nnrun.SamplingParams(top_p=0)), "top_p"),
+        (lambda llm: llm.generate([[1, 2], [3]], [nnrun.SamplingParams()]), "sampling_params has 1 entries for 2"),
+        (lambda llm: llm.generate(["text"]), "no tokenizer"),
+    ],
+)
 def test_each_bad_input_is_a_value_error_naming_the_field(llm, make_call, match):
     with pytest.raises(ValueError, match=match):
         make_call(llm)

@@ -9,8 +9,24 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
-TINY_RUN = ["--shape", "tiny", "--device", "cpu", "--batches", "1,2", "--prompt-len", "16", "--decode-prompt-len",
-            "16", "--new-tokens", "8", "--extract-prompts", "16", "--repeats", "2"]
+TINY_RUN = [
+    "--shape",
+    "tiny",
+    "--device",
+    "cpu",
+    "--batches",
+    "1,2",
+    "--prompt-len",
+    "16",
+    "--decode-prompt-len",
+    "16",
+    "--new-tokens",
+    "8",
+    "--extract-prompts",
+    "16",
+    "--repeats",
+    "2",
+]
 TIMEOUT_S = 120
 
 
@@ -83,8 +99,13 @@ def markdown_tables(output: str) -> dict[str, list[list[str]]]:
 @pytest.mark.slow
 def test_tiny_run_on_cpu_prints_every_table_with_positive_ratios(tmp_path):
     out = tmp_path / "results.json"
-    done = subprocess.run([sys.executable, str(BENCHMARKS_DIR / "gpu.py"), *TINY_RUN, "--out", str(out)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S)
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS_DIR / "gpu.py"), *TINY_RUN, "--out", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     assert "attention backend torch" in done.stdout and "command: python " in done.stdout
     tables = markdown_tables(done.stdout)

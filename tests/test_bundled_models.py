@@ -9,7 +9,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel, LlamaForCausalLM
 
 from nnrun.assets import (
-    BUNDLED_MODELS, FACTS_PATH, bundled_model_path, is_bundled_model, load_facts,
+    BUNDLED_MODELS,
+    FACTS_PATH,
+    bundled_model_path,
+    is_bundled_model,
+    load_facts,
 )
 from nnrun.assets.corpus import all_fact_records, build_corpus
 from nnrun.assets.train_tiny import TrainConfig, build_model, build_tokenizer, train

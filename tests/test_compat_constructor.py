@@ -6,10 +6,9 @@ import warnings
 
 import pytest
 import torch
-
-import nnrun
 from transformers import AutoModel, AutoModelForCausalLM, LlamaConfig
 
+import nnrun
 from conformance.compare import assert_same
 from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer
 from interleaver.keywords import engine_kwargs
@@ -92,8 +91,9 @@ def test_tokenizer_kwargs_are_set_on_the_tokenizer_as_nnsight_sets_them(tokenize
     mine, theirs = tiny_tokenizer(), tiny_tokenizer()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        reference = nnsight.LanguageModel(tiny_llama(seed=3), tokenizer=theirs,
-                                          tokenizer_kwargs={"padding_side": "right", "model_max_length": 77})
+        reference = nnsight.LanguageModel(
+            tiny_llama(seed=3), tokenizer=theirs, tokenizer_kwargs={"padding_side": "right", "model_max_length": 77}
+        )
     ours = build(mine, tokenizer_kwargs={"padding_side": "right", "model_max_length": 77})
     try:
         assert ours.tokenizer is mine
@@ -183,9 +183,9 @@ def tiny(tokenizer):
 
 
 def test_trace_false_returns_hfs_forward_output():
-    import nnrun
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import nnrun
     from nnrun.assets import bundled_model_path
 
     path = bundled_model_path("tiny-facts-gpt2")
@@ -206,8 +206,10 @@ def test_trace_false_returns_hfs_forward_output():
         ours.shutdown()
 
 
-@pytest.mark.parametrize("keyword, value", [("remote", True), ("backend", object()), ("serve", "http://127.0.0.1:1"),
-                                            ("blocking", False), ("api_key", "k")])
+@pytest.mark.parametrize(
+    "keyword, value",
+    [("remote", True), ("backend", object()), ("serve", "http://127.0.0.1:1"), ("blocking", False), ("api_key", "k")],
+)
 def test_where_to_run_keywords_are_refused_by_name_unless_default(keyword, value, tiny):
     with pytest.raises(NotImplementedError, match=keyword):
         with tiny.trace("the cat sat", **{keyword: value}):
@@ -223,8 +225,9 @@ def test_where_to_run_keywords_at_their_defaults_are_accepted(tiny):
 
 
 def test_public_attributes_scripts_read_as_nnsight_sets_them():
-    from nnrun.assets import bundled_model_path
     from nnsight import LanguageModel as NNsightLanguageModel
+
+    from nnrun.assets import bundled_model_path
 
     path = str(bundled_model_path("tiny-facts"))
     with warnings.catch_warnings():
@@ -232,8 +235,18 @@ def test_public_attributes_scripts_read_as_nnsight_sets_them():
         theirs = NNsightLanguageModel(path, dispatch=True)
     ours = nnrun.LanguageModel(path, dispatch=True)
     try:
-        for name in ("dispatched", "repo_id", "revision", "args", "kwargs", "task", "peft", "processor",
-                     "image_processor", "feature_extractor"):
+        for name in (
+            "dispatched",
+            "repo_id",
+            "revision",
+            "args",
+            "kwargs",
+            "task",
+            "peft",
+            "processor",
+            "image_processor",
+            "feature_extractor",
+        ):
             assert getattr(ours, name) == getattr(theirs, name), name
         assert ours.dispatch() is None and ours.dispatched
     finally:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conformance.compare import assert_same
-from conformance.models import oracle_and_nnrun, tiny_llama, tiny_tokenizer, twin
+from conformance.models import oracle_and_nnrun, tiny_llama, tiny_tokenizer
 from conformance.scenarios import Padded
 from interleaver.write_checks import InvalidWriteError
 
@@ -155,7 +155,7 @@ def test_an_edits_names_stay_its_own(pair):
 def test_edit_that_raises_fails_the_trace(pair):
     def run(model):
         with model.edit() as (tracer, edited):
-            hidden = edited.model.layers[0].output
+            hidden = edited.model.layers[0].output  # noqa: F841 (the edit parks here before it raises)
             int("not a number")
         with pytest.raises(ValueError) as raised:
             with edited.trace(P):
@@ -308,8 +308,12 @@ def test_each_invoke_reads_its_own_rows_of_an_attached_module_the_edit_calls(pai
         finally:
             del model.model.layers[0]._module.adapter
         lengths = [len(model.tokenizer(text)["input_ids"]) for text in (short, long)]
-        return {"a": Padded(a, lengths[:1]), "b": Padded(b, lengths[1:]),
-                "logits_a": Padded(logits_a, lengths[:1]), "logits_b": Padded(logits_b, lengths[1:])}
+        return {
+            "a": Padded(a, lengths[:1]),
+            "b": Padded(b, lengths[1:]),
+            "logits_a": Padded(logits_a, lengths[:1]),
+            "logits_b": Padded(logits_b, lengths[1:]),
+        }
 
     expected, actual = on_both(pair, run)
     assert actual["a"].value.shape[0] == 1 and actual["b"].value.shape[0] == 1  # one row each, not the whole trace

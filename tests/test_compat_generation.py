@@ -113,8 +113,14 @@ def test_several_invokes_read_their_rows_padded_to_the_whole_batch(models):
                     b_calls.append(model.generator.streamer.output)
                 b_ids = model.generator.output.save()
                 b_result = tracer.result.save()
-        return {"a_calls": a_calls, "a_ids": a_ids, "a_result": a_result,
-                "b_calls": b_calls, "b_ids": b_ids, "b_result": b_result}
+        return {
+            "a_calls": a_calls,
+            "a_ids": a_ids,
+            "a_result": a_result,
+            "b_calls": b_calls,
+            "b_ids": b_ids,
+            "b_result": b_result,
+        }
 
     expected, actual = both(models, scenario)
     assert actual["b_calls"][0].tolist()[0][:6] == [0] * 6  # Q's prompt is left-padded to P's 8 tokens
@@ -195,6 +201,7 @@ def test_streamer_tokens_are_the_tokens_a_steered_generation_samples(models):
 @pytest.mark.parametrize("location", ["generator.output", "generator.streamer.output"])
 def test_a_trace_never_reaches_the_generator(models, location):
     """A trace is one forward: as on HF, a block waiting on the generator fails the trace."""
+
     def scenario(model):
         with pytest.raises(Exception) as raised:
             with model.trace(P):
@@ -208,9 +215,10 @@ def test_a_trace_never_reaches_the_generator(models, location):
 
 def test_reading_the_streamer_after_its_step_ran_past_fails_as_on_hf(models):
     """The prompt visit comes before the first forward: reading it after a layer of that forward is too late."""
+
     def scenario(model):
         with pytest.raises(Exception) as raised:
-            with model.generate(P, max_new_tokens=2) as tracer:
+            with model.generate(P, max_new_tokens=2):
                 model.model.layers[0].output.save()
                 model.generator.streamer.output.save()
         return type(raised.value).__name__, str(raised.value)
@@ -263,7 +271,7 @@ def test_a_plain_generate_calls_a_streamer_as_hf_does(models):
 def test_a_generate_block_calls_a_streamer_as_hf_does(models):
     def scenario(model):
         streamer = Recorder()
-        with model.generate(P, max_new_tokens=3, streamer=streamer) as tracer:
+        with model.generate(P, max_new_tokens=3, streamer=streamer):
             hidden = model.model.layers[0].output.save()
             ids = model.generator.output.save()
         return ids, hidden, streamer.calls
@@ -276,6 +284,7 @@ def test_a_generate_block_calls_a_streamer_as_hf_does(models):
 
 def test_a_users_streamer_replaces_nnsights_streamer(models):
     """nnsight hands generate its own streamer only when the caller gives none: then streamer.output never comes."""
+
     def scenario(model):
         streamer = Recorder()
         with pytest.raises(Exception) as raised:
@@ -301,8 +310,9 @@ def test_text_streamer_prints_what_hf_prints(models, capsys):
 def test_text_iterator_streamer_consumed_from_another_thread(models):
     def scenario(model):
         streamer = TextIteratorStreamer(model.tokenizer, timeout=WAIT_S)
-        generation = threading.Thread(target=model.generate, args=(P,),
-                                      kwargs={"max_new_tokens": 5, "streamer": streamer})
+        generation = threading.Thread(
+            target=model.generate, args=(P,), kwargs={"max_new_tokens": 5, "streamer": streamer}
+        )
         generation.start()
         pieces = list(streamer)  # raises queue.Empty after WAIT_S without a piece
         generation.join(WAIT_S)
@@ -442,6 +452,7 @@ GENERATION_KEYWORDS = [
 @pytest.mark.parametrize("kwargs", GENERATION_KEYWORDS)
 def test_trace_takes_generation_keywords_and_runs_one_forward(models, kwargs):
     """HF's forward takes generate's keywords and ignores them: a trace is still one forward."""
+
     def scenario(model):
         with model.trace(P, **kwargs) as tracer:
             logits = model.lm_head.output.save()
@@ -482,9 +493,11 @@ SHORT, LONG = "The capital of France is", "Two plus two is"  # tiny-facts-gpt2 e
 def facts():
     import copy
 
-    import nnsight
-    import nnrun
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import nnsight
+
+    import nnrun
 
     path = nnrun.bundled_model_path("tiny-facts-gpt2")
     model = AutoModelForCausalLM.from_pretrained(path).eval()

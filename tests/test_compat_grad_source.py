@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conformance.compare import assert_same
-from conformance.models import oracle_and_nnrun, tiny_llama, tiny_tokenizer
+from conformance.models import bundled_pair, oracle_and_nnrun, tiny_llama, tiny_tokenizer
 
 P = "the cat sat on the mat"
 Q = "one two"
@@ -30,12 +30,7 @@ def pair():
 
 @pytest.fixture(scope="module")
 def gpt2_pair():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from nnrun.assets import bundled_model_path
-
-    path = bundled_model_path("tiny-facts-gpt2")
-    oracle, ours = oracle_and_nnrun(AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path))
+    oracle, ours = bundled_pair("tiny-facts-gpt2")
     yield oracle, ours
     ours.shutdown()
 
@@ -138,7 +133,8 @@ def test_printed_source_is_hfs(pair):
     oracle, ours = pair
     assert str(ours.model.layers[0].self_attn.source) == str(oracle.model.layers[0].self_attn.source)
     assert str(ours.model.layers[0].self_attn.source.attention_interface_1) == str(
-        oracle.model.layers[0].self_attn.source.attention_interface_1)
+        oracle.model.layers[0].self_attn.source.attention_interface_1
+    )
 
 
 def test_recursive_source_reads_in_a_trace(pair):
@@ -276,7 +272,7 @@ def test_a_head_first_value_whose_token_dim_is_ambiguous_is_refused(pair):
     with pytest.raises(AmbiguousLayoutError, match="query_states_0"):
         with ours.trace() as tracer:
             with tracer.invoke("one two"):
-                model_q = ours.model.layers[0].self_attn.source.query_states_0.output.save()
+                ours.model.layers[0].self_attn.source.query_states_0.output.save()
             with tracer.invoke("three four"):
                 pass
     assert heads == 4

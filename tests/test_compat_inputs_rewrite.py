@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conformance.compare import assert_same
-from conformance.models import oracle_and_nnrun
+from conformance.models import bundled_pair
 from conformance.scenarios import Padded
 from interleaver.write_checks import InvalidWriteError
 
@@ -22,12 +22,7 @@ PROMPTS = ["The Eiffel Tower is in", "Paris is"]
 
 @pytest.fixture(scope="module")
 def gpt2_pair():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from nnrun.assets import bundled_model_path
-
-    path = bundled_model_path("tiny-facts-gpt2")
-    oracle, ours = oracle_and_nnrun(AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path))
+    oracle, ours = bundled_pair("tiny-facts-gpt2")
     yield oracle, ours
     ours.shutdown()
 

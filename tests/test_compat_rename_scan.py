@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import warnings
 
-import nnsight
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaAttention
+
+import nnsight
 
 from conformance.compare import assert_same
 from conformance.models import tiny_llama, tiny_tokenizer, twin
@@ -16,11 +17,11 @@ PROMPT = "the eiffel tower is in the city of"
 OTHER = "mary went to the store"
 
 RENAME = {
-    "model.layers": "layers",                      # a path to a module list, bound on the root
-    "lm_head": "unembed",                          # one module
-    "self_attn": ["attention", "attn"],            # a name found in every block, two aliases
-    "mlp.down_proj": "mlp.out",                    # a dotted alias, bound on the MLP
-    LlamaAttention: "mixer",                       # a module class
+    "model.layers": "layers",  # a path to a module list, bound on the root
+    "lm_head": "unembed",  # one module
+    "self_attn": ["attention", "attn"],  # a name found in every block, two aliases
+    "mlp.down_proj": "mlp.out",  # a dotted alias, bound on the MLP
+    LlamaAttention: "mixer",  # a module class
 }
 
 
@@ -50,8 +51,14 @@ def _read_through_aliases(model) -> dict:
         mlp_out = model.layers[0].mlp.out.output.save()
         model.layers[1].attn.output[0][:, -1] = 0  # an edit through an alias
         logits = model.unembed.output.save()
-    return {"attention": attention, "also_attention": also_attention, "mlp_out": mlp_out, "logits": logits,
-            "cached": cache["model.model.layers.1"].output, "cached_by_alias": cache.model.layers[1].output}
+    return {
+        "attention": attention,
+        "also_attention": also_attention,
+        "mlp_out": mlp_out,
+        "logits": logits,
+        "cached": cache["model.model.layers.1"].output,
+        "cached_by_alias": cache.model.layers[1].output,
+    }
 
 
 def test_aliases_read_and_edit_as_on_hf(models):

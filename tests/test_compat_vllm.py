@@ -30,8 +30,18 @@ def models():
     tokenizer = tiny_tokenizer()
     model = tiny_llama(seed=7)
     oracle = hf_language_model(twin(model), tokenizer)
-    ours = VLLM(model, tokenizer=tokenizer, device="cpu", dispatch=True, gpu_memory_utilization=0.5,
-                tensor_parallel_size=1, enforce_eager=True, max_model_len=128, block_size=8, seed=1234)
+    ours = VLLM(
+        model,
+        tokenizer=tokenizer,
+        device="cpu",
+        dispatch=True,
+        gpu_memory_utilization=0.5,
+        tensor_parallel_size=1,
+        enforce_eager=True,
+        max_model_len=128,
+        block_size=8,
+        seed=1234,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield oracle, ours
@@ -52,24 +62,46 @@ def test_vllm_engine_keywords_reach_the_engine(models):
     assert ours.vllm_entrypoint is ours.engine and ours.dispatched
 
 
-@pytest.mark.parametrize("keyword", [
-    {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"distributed_executor_backend": "ray"},
-    {"mode": "async"}, {"quantization": "awq"},
-])
+@pytest.mark.parametrize(
+    "keyword",
+    [
+        {"tensor_parallel_size": 2},
+        {"pipeline_parallel_size": 2},
+        {"distributed_executor_backend": "ray"},
+        {"mode": "async"},
+        {"quantization": "awq"},
+    ],
+)
 def test_engine_options_nnrun_cannot_honour_are_refused_by_name(keyword):
     from nnrun import VLLM
 
-    (name, value), = keyword.items()
+    ((name, value),) = keyword.items()
     with pytest.raises(NotImplementedError, match=f"{name}={value!r}"):
         VLLM("tiny-facts", **keyword)
 
 
 def test_engine_keyword_translation():
-    kwargs, seed = vllm_engine_kwargs({"dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 64,
-                                       "block_size": 32, "enforce_eager": False, "seed": 3, "dispatch": True,
-                                       "distributed_executor_backend": "uni", "max_total_tokens": 256})
-    assert kwargs == {"dtype": "float32", "max_num_seqs": 4, "max_num_batched_tokens": 64, "page_size": 32,
-                      "enable_cuda_graphs": True, "max_total_tokens": 256}  # nnrun's own options pass through
+    kwargs, seed = vllm_engine_kwargs(
+        {
+            "dtype": "float32",
+            "max_num_seqs": 4,
+            "max_num_batched_tokens": 64,
+            "block_size": 32,
+            "enforce_eager": False,
+            "seed": 3,
+            "dispatch": True,
+            "distributed_executor_backend": "uni",
+            "max_total_tokens": 256,
+        }
+    )
+    assert kwargs == {
+        "dtype": "float32",
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 64,
+        "page_size": 32,
+        "enable_cuda_graphs": True,
+        "max_total_tokens": 256,
+    }  # nnrun's own options pass through
     assert seed == 3 and "dispatch" not in kwargs and "seed" not in kwargs
 
 
@@ -165,12 +197,15 @@ def test_per_invoke_sampling_is_applied_per_invoke(models):
             sampled = tracer.result.save()
         with tracer.invoke(P2, temperature=0.0, max_new_tokens=2):
             short = tracer.result.save()
-    expected = ours.engine.generate([P1, P2, P2, P2], [
-        SamplingParams(max_tokens=6, temperature=0.0),
-        SamplingParams(max_tokens=6, temperature=0.8, top_p=0.95, seed=3),
-        SamplingParams(max_tokens=2, temperature=0.0),
-        SamplingParams(max_tokens=6, temperature=0.0),
-    ])
+    expected = ours.engine.generate(
+        [P1, P2, P2, P2],
+        [
+            SamplingParams(max_tokens=6, temperature=0.0),
+            SamplingParams(max_tokens=6, temperature=0.8, top_p=0.95, seed=3),
+            SamplingParams(max_tokens=2, temperature=0.0),
+            SamplingParams(max_tokens=6, temperature=0.0),
+        ],
+    )
     actual = [greedy, sampled, short]
     assert [a.outputs[0].token_ids for a in actual] == [e.outputs[0].token_ids for e in expected[:3]]
     assert sampled.outputs[0].token_ids != expected[3].outputs[0].token_ids  # it sampled: not the greedy tokens
@@ -178,9 +213,23 @@ def test_per_invoke_sampling_is_applied_per_invoke(models):
 
 def test_every_sampling_keyword_means_what_vllm_means(models):
     _, ours = models
-    settings = dict(max_tokens=6, min_tokens=2, temperature=0.9, top_p=0.9, top_k=20, min_p=0.05, seed=5,
-                    stop=[" city"], stop_token_ids=[3], presence_penalty=0.5, frequency_penalty=0.2,
-                    repetition_penalty=1.3, logprobs=2, skip_special_tokens=True, ignore_eos=False)
+    settings = dict(
+        max_tokens=6,
+        min_tokens=2,
+        temperature=0.9,
+        top_p=0.9,
+        top_k=20,
+        min_p=0.05,
+        seed=5,
+        stop=[" city"],
+        stop_token_ids=[3],
+        presence_penalty=0.5,
+        frequency_penalty=0.2,
+        repetition_penalty=1.3,
+        logprobs=2,
+        skip_special_tokens=True,
+        ignore_eos=False,
+    )
     with ours.trace(P1, **settings) as tracer:
         result = tracer.result.save()
     expected = ours.engine.generate([P1], SamplingParams(**settings))[0]
@@ -212,13 +261,16 @@ def test_assigning_samples_forces_tokens(models):
     assert result.outputs[0].token_ids == [0, 0, 7]
 
 
-@pytest.mark.parametrize("keywords, error, name", [
-    ({"temperatur": 0.0}, TypeError, "temperatur"),
-    ({"n": 2}, NotImplementedError, "n=2"),
-    ({"logit_bias": {3: 1.0}}, NotImplementedError, "logit_bias"),
-    ({"serve": "http://localhost:8000"}, NotImplementedError, "serve"),
-    ({"max_tokens": 2, "max_new_tokens": 2}, TypeError, "max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "keywords, error, name",
+    [
+        ({"temperatur": 0.0}, TypeError, "temperatur"),
+        ({"n": 2}, NotImplementedError, "n=2"),
+        ({"logit_bias": {3: 1.0}}, NotImplementedError, "logit_bias"),
+        ({"serve": "http://localhost:8000"}, NotImplementedError, "serve"),
+        ({"max_tokens": 2, "max_new_tokens": 2}, TypeError, "max_new_tokens"),
+    ],
+)
 def test_keywords_nnrun_cannot_honour_are_refused_by_name(models, keywords, error, name):
     _, ours = models
     with pytest.raises(error, match=name):
@@ -279,7 +331,7 @@ def test_docs_multi_token_generation_and_result(gpt2):
         logits = list().save()
         for _ in tracer.iter[0:3]:
             logits.append(model.logits)
-    assert model.tokenizer.batch_decode([l.argmax(dim=-1) for l in logits])[:2] == [" Tokyo", "."]
+    assert model.tokenizer.batch_decode([step.argmax(dim=-1) for step in logits])[:2] == [" Tokyo", "."]
     with model.trace("The Eiffel Tower is in", temperature=0.0, max_tokens=3) as tracer:
         hidden = model.transformer.h[2].output.save()
         result = tracer.result.save()

@@ -12,21 +12,24 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import nnrun
-from nnrun.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from model_zoo import hf_logits, make_model, make_twin, random_prompts
+from nnrun.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 
 
-@pytest.mark.parametrize("build, field", [
-    (lambda: CacheConfig(page_size=0), "CacheConfig.page_size"),
-    (lambda: CacheConfig(max_total_tokens=-1), "CacheConfig.max_total_tokens"),
-    (lambda: CacheConfig(gpu_memory_utilization=1.5), "CacheConfig.gpu_memory_utilization"),
-    (lambda: SchedulerConfig(max_num_seqs=0), "SchedulerConfig.max_num_seqs"),
-    (lambda: SchedulerConfig(max_num_batched_tokens=0), "SchedulerConfig.max_num_batched_tokens"),
-    (lambda: DeviceConfig(device="tpu"), "DeviceConfig.device"),
-    (lambda: DeviceConfig(dtype="float64"), "dtype"),
-    (lambda: EngineConfig.from_kwargs("m", page_sise=4), "page_sise"),
-    (lambda: EngineConfig.from_kwargs("m", load_format="gguf"), "ModelConfig.load_format"),
-])
+@pytest.mark.parametrize(
+    "build, field",
+    [
+        (lambda: CacheConfig(page_size=0), "CacheConfig.page_size"),
+        (lambda: CacheConfig(max_total_tokens=-1), "CacheConfig.max_total_tokens"),
+        (lambda: CacheConfig(gpu_memory_utilization=1.5), "CacheConfig.gpu_memory_utilization"),
+        (lambda: SchedulerConfig(max_num_seqs=0), "SchedulerConfig.max_num_seqs"),
+        (lambda: SchedulerConfig(max_num_batched_tokens=0), "SchedulerConfig.max_num_batched_tokens"),
+        (lambda: DeviceConfig(device="tpu"), "DeviceConfig.device"),
+        (lambda: DeviceConfig(dtype="float64"), "dtype"),
+        (lambda: EngineConfig.from_kwargs("m", page_sise=4), "page_sise"),
+        (lambda: EngineConfig.from_kwargs("m", load_format="gguf"), "ModelConfig.load_format"),
+    ],
+)
 def test_config_errors_name_the_field(build, field):
     with pytest.raises(ValueError, match=field):
         build()
@@ -64,8 +67,14 @@ def test_dummy_weights_take_the_checkpoint_shapes(checkpoint_dir):
 
 
 def test_dummy_from_a_config_object():
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     with nnrun.LLM(config, load_format="dummy", dtype="bfloat16") as llm:
         assert llm.model.dtype == torch.bfloat16 and llm.runner.kv_pool.k_pages[0].dtype == torch.bfloat16
 
@@ -98,14 +107,24 @@ def test_hub_id_loads_from_the_local_hub_cache(checkpoint_dir, tmp_path):
 
 def test_dynamic_rope_runs_on_the_exact_path_with_the_reason():
     """Its frequencies depend on the longest position in a batch: each request runs through HF's own forward."""
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     prompts = [list(range(3, 23)), [5, 6, 7]]
     with torch.no_grad():
-        expected = [model.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        expected = [
+            model.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)[
+                0, len(p) :
+            ].tolist()
+            for p in prompts
+        ]
     with nnrun.LLM(model) as llm:
         assert "rope_type='dynamic'" in llm.runner.exact_forward.reason
         outputs = llm.generate(prompts, nnrun.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
@@ -132,8 +151,14 @@ def test_dummy_from_a_config_leaves_the_callers_config_alone():
     """Regression: a shared config let a later HF model switch the engine's attention to plain sdpa."""
     from nnrun.attention import ATTN_IMPLEMENTATION
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     with nnrun.LLM(config, load_format="dummy") as llm:
         assert config._attn_implementation != ATTN_IMPLEMENTATION
         LlamaForCausalLM._from_config(config, attn_implementation="sdpa")
@@ -149,4 +174,4 @@ def test_engine_restores_its_attention_if_the_user_switches_it():
         out = llm.generate([prompt], nnrun.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
     ids = torch.tensor([prompt])
     expected = oracle.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
-    assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist()
+    assert out.outputs[0].token_ids == expected[0, len(prompt) :].tolist()

@@ -129,8 +129,11 @@ def test_replayed_decode_matches_hf_as_the_batch_shrinks(fake, family):
         llm.runner.allocator.check_no_leaks()
     assert capturer.captures == len(GRAPH_SIZES)
     assert counts["replayed"] == capturer.replays == max(lengths) - 1 and counts["eager"] == 0
-    graph_runs = [call for call in fake.calls[calls_before:]
-                  if call.kind == "run" and getattr(call.wrapper, "use_cuda_graph", False)]
+    graph_runs = [
+        call
+        for call in fake.calls[calls_before:]
+        if call.kind == "run" and getattr(call.wrapper, "use_cuda_graph", False)
+    ]
     assert graph_runs == [], "a replay ran the attention wrapper's Python"
     for prompt, output in zip(prompts, outputs):
         completion = output.outputs[0]
@@ -145,15 +148,20 @@ def test_replay_equals_eager_decode_on_a_sampled_run(fake):
     """Seeded sampling: the same tokens and logprobs with graphs as without them."""
     model = make_sharp_model("qwen2")
     prompts = random_prompts([4, 11, 6], seed=2)
-    params = [nnrun.SamplingParams(max_tokens=6, temperature=1.0, seed=i, logprobs=0, ignore_eos=True)
-              for i in range(3)]
+    params = [
+        nnrun.SamplingParams(max_tokens=6, temperature=1.0, seed=i, logprobs=0, ignore_eos=True) for i in range(3)
+    ]
     results = []
     for graphs in (False, True):
         with nnrun.LLM(model, page_size=4) as llm:
             capture_graphs(llm) if graphs else use_flashinfer(llm)
             outputs = llm.generate(prompts, params)
-        results.append([(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
-                         for o in outputs])
+        results.append(
+            [
+                (o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for o in outputs
+            ]
+        )
     for (eager_tokens, eager_lps), (graph_tokens, graph_lps) in zip(*results):
         assert eager_tokens == graph_tokens
         assert torch.allclose(torch.tensor(eager_lps), torch.tensor(graph_lps), atol=1e-5)

@@ -4,9 +4,9 @@ import subprocess
 import sys
 import textwrap
 
-import nnrun
-
 import pytest
+
+import nnrun
 from model_zoo import make_model
 
 

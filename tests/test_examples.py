@@ -22,8 +22,9 @@ TIMEOUT_S = 300
 
 
 def run_example(script: str, *args: str, cwd: Path) -> str:
-    result = subprocess.run([sys.executable, str(EXAMPLES_DIR / script), *args], cwd=cwd, capture_output=True,
-                            text=True, timeout=TIMEOUT_S)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES_DIR / script), *args], cwd=cwd, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
     assert result.returncode == 0, f"{script} exited with {result.returncode}:\n{result.stdout}\n{result.stderr}"
     return result.stdout + result.stderr
 
@@ -57,8 +58,13 @@ for script, figure in zip(pairs[::2], pairs[1::2]):
 def test_examples_plot_when_asked(tmp_path):
     figures = [tmp_path / script.replace(".py", ".png") for script in PLOTTING_EXAMPLES]
     pairs = [str(item) for script, figure in zip(PLOTTING_EXAMPLES, figures) for item in (script, figure)]
-    result = subprocess.run([sys.executable, "-c", PLOT_DRIVER, str(EXAMPLES_DIR), *pairs], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    result = subprocess.run(
+        [sys.executable, "-c", PLOT_DRIVER, str(EXAMPLES_DIR), *pairs],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
     for figure in figures:
         assert f"wrote {figure}" in result.stdout

@@ -18,8 +18,10 @@ from nnrun.extract import extract, load_activations
 from tolerance import assert_close_packed
 
 REPO = Path(__file__).resolve().parent.parent
-WORDS = ("the cat sat on a mat while dogs ran in parks near paris and rome where people eat bread "
-         "with cheese before going to work at the museum of art every day").split()
+WORDS = (
+    "the cat sat on a mat while dogs ran in parks near paris and rome where people eat bread "
+    "with cheese before going to work at the museum of art every day"
+).split()
 
 
 MODEL = "tiny-facts"  # the bundled model: the CLI resolves the name to nnrun/assets/tiny-facts
@@ -35,8 +37,12 @@ def _write_formats(folder: Path, prompts: list[str]) -> dict[str, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    paths = {"txt": folder / "p.txt", "jsonl": folder / "p.jsonl", "parquet": folder / "p.parquet",
-             "dataset": folder / "p_dataset"}
+    paths = {
+        "txt": folder / "p.txt",
+        "jsonl": folder / "p.jsonl",
+        "parquet": folder / "p.parquet",
+        "dataset": folder / "p_dataset",
+    }
     paths["txt"].write_text("\n".join(prompts) + "\n")
     paths["jsonl"].write_text("\n".join(json.dumps({"id": i, "text": p}) for i, p in enumerate(prompts)) + "\n")
     pq.write_table(pa.table({"text": prompts}), paths["parquet"])
@@ -56,8 +62,21 @@ def test_cli_each_input_format(tmp_path, capsys):
     reference = _hashes(tmp_path / "api")
     for kind, path in paths.items():
         out = tmp_path / f"out_{kind}"
-        code = main(["extract", "--model", MODEL, "--input", str(path), "--module", *modules,
-                     "--out", str(out), "--shard-tokens", "40"])
+        code = main(
+            [
+                "extract",
+                "--model",
+                MODEL,
+                "--input",
+                str(path),
+                "--module",
+                *modules,
+                "--out",
+                str(out),
+                "--shard-tokens",
+                "40",
+            ]
+        )
         assert code == 0, kind
         assert "tokens/s" in capsys.readouterr().err
         assert _hashes(out) == reference, kind  # same prompts, same bytes, whatever the format
@@ -80,9 +99,29 @@ def test_cli_each_input_format(tmp_path, capsys):
 def test_cli_last_positions_dtype_limit_and_quiet(tmp_path, capsys):
     path = tmp_path / "p.txt"
     path.write_text("\n".join(_prompts(6, seed=1, max_words=10)) + "\n")
-    code = main(["extract", "--model", MODEL, "--input", str(path), "--module", "model.layers.1",
-                 "--out", str(tmp_path / "out"), "--positions", "last", "--dtype", "float16", "--limit", "4",
-                 "--max-length", "8", "--truncate", "--quiet"])
+    code = main(
+        [
+            "extract",
+            "--model",
+            MODEL,
+            "--input",
+            str(path),
+            "--module",
+            "model.layers.1",
+            "--out",
+            str(tmp_path / "out"),
+            "--positions",
+            "last",
+            "--dtype",
+            "float16",
+            "--limit",
+            "4",
+            "--max-length",
+            "8",
+            "--truncate",
+            "--quiet",
+        ]
+    )
     assert code == 0 and capsys.readouterr().err == ""
     store = load_activations(tmp_path / "out")
     assert len(store) == 4 and store[0]["model.layers.1"].shape[0] == 1
@@ -98,7 +137,9 @@ def test_cli_reports_bad_input_and_mismatched_rerun(tmp_path, capsys):
     assert main(args) == 1
     assert "p.jsonl line 2: missing text field 'text'" in capsys.readouterr().err
     assert main([*args, "--on-error", "skip"]) == 0
-    assert load_activations(out).skipped == [{"index": 1, "line": 2, "reason": "missing text field 'text' (fields: txt)"}]
+    assert load_activations(out).skipped == [
+        {"index": 1, "line": 2, "reason": "missing text field 'text' (fields: txt)"}
+    ]
     assert main([*args, "--on-error", "skip", "--positions", "last"]) == 1
     assert "positions: stored 'all', now 'last'" in capsys.readouterr().err
 
@@ -107,14 +148,32 @@ def test_cli_reports_bad_input_and_mismatched_rerun(tmp_path, capsys):
 def test_cli_sigkill_mid_job_then_resume_is_byte_identical(tmp_path):
     path = tmp_path / "p.txt"
     path.write_text("\n".join(_prompts(90, seed=2, max_words=20)) + "\n")
-    args = ["extract", "--model", MODEL, "--input", str(path), "--module", "model.layers.0",
-            "--module", "model.layers.1.self_attn.o_proj.input", "--shard-tokens", "200", "--batch-tokens", "128"]
+    args = [
+        "extract",
+        "--model",
+        MODEL,
+        "--input",
+        str(path),
+        "--module",
+        "model.layers.0",
+        "--module",
+        "model.layers.1.self_attn.o_proj.input",
+        "--shard-tokens",
+        "200",
+        "--batch-tokens",
+        "128",
+    ]
     assert main([*args, "--out", str(tmp_path / "ref"), "-q"]) == 0
 
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    process = subprocess.Popen([sys.executable, "-m", "nnrun.cli", *args, "--out", str(out), "-q"], cwd=REPO, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "nnrun.cli", *args, "--out", str(out), "-q"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 120
     while not (out / "shard-00000.safetensors").exists():
         assert process.poll() is None, process.stderr.read().decode()

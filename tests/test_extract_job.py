@@ -6,16 +6,23 @@ import threading
 
 import pytest
 import torch
-from model_zoo import make_model, make_twin, random_prompts
 
 import nnrun
+from model_zoo import make_model, make_twin, random_prompts
 from nnrun.extract import InputError, SettingsMismatchError, ShardWriteError, extract, load_activations
 from nnrun.extract.hooks import ActivationCapture, resolve_modules
 from tolerance import assert_close_packed
 
 LENGTHS = [1, 7, 33, 2, 64, 12, 5, 90, 3, 18]  # mixed, so packing and slicing are exercised
-LLAMA_MODULES = ["model.embed_tokens", "model.layers.0", "model.layers.1.mlp", "model.layers.1.self_attn",
-                 "model.layers.1.self_attn.o_proj.input", "model.layers.0.mlp.down_proj.output", "model.norm"]
+LLAMA_MODULES = [
+    "model.embed_tokens",
+    "model.layers.0",
+    "model.layers.1.mlp",
+    "model.layers.1.self_attn",
+    "model.layers.1.self_attn.o_proj.input",
+    "model.layers.0.mlp.down_proj.output",
+    "model.norm",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +46,11 @@ def hf_values(twin: torch.nn.Module, prompt: list[int], modules: list[str]) -> d
         if spec.io == "output":
             handles.append(module.register_forward_hook(lambda m, a, out, keep=keep: keep(out)))
         else:
-            handles.append(module.register_forward_pre_hook(
-                lambda m, a, kw, keep=keep: keep(a[0] if a else next(iter(kw.values()))), with_kwargs=True))
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda m, a, kw, keep=keep: keep(a[0] if a else next(iter(kw.values()))), with_kwargs=True
+                )
+            )
     try:
         twin(torch.tensor([prompt]))
     finally:
@@ -171,8 +181,9 @@ def test_changed_input_is_refused_on_resume(llama, tmp_path):
     text = manifest_path.read_text().replace('"is_complete": true', '"is_complete": false')
     manifest_path.write_text(text)
     with pytest.raises(SettingsMismatchError, match="input"):
-        extract(llm, random_prompts([5, 6, 7], seed=9), "model.layers.0", tmp_path, shard_tokens=6, limit=2,
-                progress=False)
+        extract(
+            llm, random_prompts([5, 6, 7], seed=9), "model.layers.0", tmp_path, shard_tokens=6, limit=2, progress=False
+        )
 
 
 def test_bad_items_stop_by_default_with_their_location(tiny_llm, tmp_path):

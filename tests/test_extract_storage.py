@@ -57,8 +57,12 @@ def _write_folder(folder, lengths: list[int], positions: str = "all", per_shard:
 
 
 def test_safetensors_writer_is_deterministic_and_readable(tmp_path):
-    tensors = {"z": torch.randn(3, 4), "a": torch.arange(5, dtype=torch.int32),
-               "h": torch.randn(2, 2).to(torch.bfloat16), "empty": torch.zeros(0, 4)}
+    tensors = {
+        "z": torch.randn(3, 4),
+        "a": torch.arange(5, dtype=torch.int32),
+        "h": torch.randn(2, 2).to(torch.bfloat16),
+        "empty": torch.zeros(0, 4),
+    }
     size, digest = write_safetensors(tmp_path / "x.safetensors", dict(reversed(list(tensors.items()))))
     write_safetensors(tmp_path / "y.safetensors", tensors)
     data_x, data_y = (tmp_path / "x.safetensors").read_bytes(), (tmp_path / "y.safetensors").read_bytes()
@@ -101,7 +105,9 @@ def test_atomic_write_keeps_the_old_file_when_writing_fails(tmp_path, monkeypatc
 
 def test_settings_diff_names_each_difference():
     assert settings_diff({"a": 1, "m": {"x": 1, "y": 2}}, {"a": 2, "m": {"x": 1, "y": 3}}) == [
-        "a: stored 1, now 2", "m.y: stored 2, now 3"]
+        "a: stored 1, now 2",
+        "m.y: stored 2, now 3",
+    ]
 
 
 def test_folder_refuses_other_settings_foreign_files_and_no_resume(tmp_path):
@@ -172,11 +178,20 @@ def test_token_stream_in_order_shuffled_batched_and_with_workers(tmp_path):
 
 
 def test_plan_shards_is_a_function_of_the_records():
-    items = [PreparedPrompt(0, [1] * 4), SkippedPrompt(1, "item 1", "empty prompt"), PreparedPrompt(2, [1] * 5),
-             PreparedPrompt(3, [1] * 12), PreparedPrompt(4, [1] * 3), SkippedPrompt(5, "item 5", "bad")]
+    items = [
+        PreparedPrompt(0, [1] * 4),
+        SkippedPrompt(1, "item 1", "empty prompt"),
+        PreparedPrompt(2, [1] * 5),
+        PreparedPrompt(3, [1] * 12),
+        PreparedPrompt(4, [1] * 3),
+        SkippedPrompt(5, "item 5", "bad"),
+    ]
     plans = list(plan_shards(items, shard_tokens=10, start=0))
     assert [([p.index for p in s.prompts], [k.index for k in s.skipped], s.end) for s in plans] == [
-        ([0, 2], [1], 3), ([3], [], 4), ([4], [5], 6)]
+        ([0, 2], [1], 3),
+        ([3], [], 4),
+        ([4], [5], 6),
+    ]
     # A resume starts at a shard's end and makes the same shards from there.
     resumed = list(plan_shards(items[3:], shard_tokens=10, start=3))
     assert [(s.prompts, s.skipped, s.end) for s in resumed] == [(s.prompts, s.skipped, s.end) for s in plans[1:]]

@@ -193,9 +193,19 @@ def _forward_batch(reqs: list[Request], new_lens: list[int], mode: ForwardMode) 
         kv_slots.append(slots)
         prefix_lens.append(prefix)
     num_tokens = sum(new_lens)
-    return ForwardBatch(mode, reqs, torch.zeros(num_tokens, dtype=torch.int64), torch.cat(positions),
-                        torch.cat(out_cache_loc), list(new_lens), starts, prefix_lens, kv_slots,
-                        torch.zeros(0, dtype=torch.int64), [])
+    return ForwardBatch(
+        mode,
+        reqs,
+        torch.zeros(num_tokens, dtype=torch.int64),
+        torch.cat(positions),
+        torch.cat(out_cache_loc),
+        list(new_lens),
+        starts,
+        prefix_lens,
+        kv_slots,
+        torch.zeros(0, dtype=torch.int64),
+        [],
+    )
 
 
 def _run_step(backend, forward_batch, qkv):
@@ -207,9 +217,14 @@ def _run_step(backend, forward_batch, qkv):
 
 
 def _random_qkv(num_tokens: int, dtype: torch.dtype, generator: torch.Generator):
-    return [(torch.randn(num_tokens, 4, 16, generator=generator).to(dtype),
-             torch.randn(num_tokens, 2, 16, generator=generator).to(dtype),
-             torch.randn(num_tokens, 2, layer.kv_shape.v_head_dim, generator=generator).to(dtype)) for layer in _LAYERS]
+    return [
+        (
+            torch.randn(num_tokens, 4, 16, generator=generator).to(dtype),
+            torch.randn(num_tokens, 2, 16, generator=generator).to(dtype),
+            torch.randn(num_tokens, 2, layer.kv_shape.v_head_dim, generator=generator).to(dtype),
+        )
+        for layer in _LAYERS
+    ]
 
 
 def _backends(dtype: torch.dtype):
@@ -305,6 +320,7 @@ def test_importing_the_backend_needs_no_flashinfer(monkeypatch):
 
 
 # ---- the contract with the real library (skipped where flashinfer is not installed) ------------------------
+
 
 def _parameters(function) -> list[tuple]:
     return [(p.name, p.kind, p.default) for p in inspect.signature(function).parameters.values()]

@@ -8,13 +8,18 @@ import pytest
 import torch
 
 import nnrun
+from model_zoo import make_model, random_prompts
 from nnrun.attention.flashinfer_plan import (
-    PlanGroup, group_layers, layer_to_group_index, plan_forward_batch, plan_paged_kv, window_left_of,
+    PlanGroup,
+    group_layers,
+    layer_to_group_index,
+    plan_forward_batch,
+    plan_paged_kv,
+    window_left_of,
 )
 from nnrun.forward_batch import ForwardMode
 from nnrun.memory import LayerKVShape
 from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
-from model_zoo import make_model, random_prompts
 
 
 def _token_slots(plan, b: int) -> list[int]:
@@ -59,8 +64,9 @@ def test_random_batches_keep_every_invariant(page_size):
 
 
 def test_descending_pages_and_lengths_that_do_not_divide_the_page_size():
-    plan = plan_paged_kv(prefix_lens=[0, 5, 3], extend_seq_lens=[5, 1, 6],
-                         page_tables=[[9, 7], [30, 2, 17], [4, 3, 8]], page_size=4)
+    plan = plan_paged_kv(
+        prefix_lens=[0, 5, 3], extend_seq_lens=[5, 1, 6], page_tables=[[9, 7], [30, 2, 17], [4, 3, 8]], page_size=4
+    )
     assert plan.qo_indptr.tolist() == [0, 5, 6, 12]
     assert plan.kv_indptr.tolist() == [0, 2, 4, 7]
     assert plan.kv_indices.tolist() == [9, 7, 30, 2, 4, 3, 8]  # request 1 uses 2 of its 3 pages
@@ -89,12 +95,15 @@ def test_decode_mode_needs_one_token_after_a_prefix_for_every_request():
     assert empty.forward_mode is ForwardMode.EXTEND and empty.batch_size == 0 and empty.qo_indptr.tolist() == [0]
 
 
-@pytest.mark.parametrize("args, message", [
-    (([0], [5], [[1]], 4), "needs 2 pages"),
-    (([2], [0], [[1]], 4), "at least one new token"),
-    (([0, 1], [1], [[1]], 4), "one of each per request"),
-    (([0], [1], [[1]], 0), "page_size must be positive"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (([0], [5], [[1]], 4), "needs 2 pages"),
+        (([2], [0], [[1]], 4), "at least one new token"),
+        (([0, 1], [1], [[1]], 4), "one of each per request"),
+        (([0], [1], [[1]], 0), "page_size must be positive"),
+    ],
+)
 def test_bad_inputs_are_rejected(args, message):
     with pytest.raises(ValueError, match=message):
         plan_paged_kv(*args)
@@ -118,8 +127,14 @@ def _layer(idx, scaling=0.25, window=None, softcap=None, heads=(4, 2), dims=(16,
 
 
 def test_layers_group_by_window_softcap_scale_and_shape():
-    layers = [_layer(0, window=8, softcap=50.0), _layer(1, softcap=50.0), _layer(2, window=8, softcap=50.0),
-              _layer(3, scaling=0.125, softcap=50.0), _layer(4, softcap=50.0, dims=(16, 32)), _layer(5, softcap=50.0)]
+    layers = [
+        _layer(0, window=8, softcap=50.0),
+        _layer(1, softcap=50.0),
+        _layer(2, window=8, softcap=50.0),
+        _layer(3, scaling=0.125, softcap=50.0),
+        _layer(4, softcap=50.0, dims=(16, 32)),
+        _layer(5, softcap=50.0),
+    ]
     groups = group_layers(layers)
     assert [g.layer_ids for g in groups] == [(0, 2), (1, 5), (3,), (4,)]
     assert groups[0] == PlanGroup((0, 2), 4, 2, 16, 16, window_left=7, logits_soft_cap=50.0, sm_scale=0.25)
@@ -130,12 +145,15 @@ def test_layers_group_by_window_softcap_scale_and_shape():
         layer_to_group_index(groups[:3], 6)
 
 
-@pytest.mark.parametrize("family, expected", [
-    ("llama", [((0, 1), -1, None, 16 ** -0.5)]),
-    ("qwen2", [((0,), -1, None, 16 ** -0.5), ((1,), 15, None, 16 ** -0.5)]),
-    ("gemma2", [((0,), 15, 0.5, 24 ** -0.5), ((1,), -1, 0.5, 24 ** -0.5)]),
-    ("gpt2", [((0,), -1, None, 16 ** -0.5), ((1,), -1, None, 16 ** -0.5 / 2)]),  # scale_attn_by_inverse_layer_idx
-])
+@pytest.mark.parametrize(
+    "family, expected",
+    [
+        ("llama", [((0, 1), -1, None, 16**-0.5)]),
+        ("qwen2", [((0,), -1, None, 16**-0.5), ((1,), 15, None, 16**-0.5)]),
+        ("gemma2", [((0,), 15, 0.5, 24**-0.5), ((1,), -1, 0.5, 24**-0.5)]),
+        ("gpt2", [((0,), -1, None, 16**-0.5), ((1,), -1, None, 16**-0.5 / 2)]),  # scale_attn_by_inverse_layer_idx
+    ],
+)
 def test_probed_model_layers_form_the_expected_groups(family, expected):
     from nnrun.attention import ATTN_IMPLEMENTATION
 

@@ -19,9 +19,10 @@ def llama_pair():
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                         pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
@@ -81,11 +82,18 @@ def test_same_seed_same_tokens_whatever_the_batch(llama_pair):
     seeded = nnrun.SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
     with nnrun.LLM(model) as llm:
         alone = llm.generate([prompts[0]], seeded)[0].outputs[0].token_ids
-        mixed = llm.generate(prompts, [nnrun.SamplingParams(max_tokens=10, temperature=1.0), seeded,
-                                       nnrun.SamplingParams(max_tokens=10, temperature=0)])
+        mixed = llm.generate(
+            prompts,
+            [
+                nnrun.SamplingParams(max_tokens=10, temperature=1.0),
+                seeded,
+                nnrun.SamplingParams(max_tokens=10, temperature=0),
+            ],
+        )
         batched = llm.generate([prompts[1], prompts[0]], [nnrun.SamplingParams(max_tokens=10), seeded])[1]
-        other_seed = llm.generate([prompts[0]], nnrun.SamplingParams(max_tokens=10, temperature=1.0, seed=99,
-                                                                     ignore_eos=True))[0]
+        other_seed = llm.generate(
+            [prompts[0]], nnrun.SamplingParams(max_tokens=10, temperature=1.0, seed=99, ignore_eos=True)
+        )[0]
     assert batched.outputs[0].token_ids == alone
     assert mixed[1].prompt_token_ids == prompts[1]
     assert other_seed.outputs[0].token_ids != alone
@@ -96,6 +104,7 @@ def test_concurrent_callers_share_the_engine(llama_pair):
     prompts = random_prompts([5, 15, 25, 35, 45, 55], seed=13)
     results: dict[int, list[int]] = {}
     with nnrun.LLM(model, max_num_seqs=8) as llm:
+
         def call(i: int) -> None:
             out = llm.generate([prompts[i]], nnrun.SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
             results[i] = out[0].outputs[0].token_ids
@@ -133,8 +142,8 @@ def test_min_tokens_masks_eos_like_hf_min_new_tokens():
     oracle, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     ids = tokenizer("The Eiffel Tower is in", return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        free = oracle.generate(ids, max_new_tokens=10, do_sample=False)[0, ids.shape[1]:].tolist()
-        held = oracle.generate(ids, max_new_tokens=10, min_new_tokens=8, do_sample=False)[0, ids.shape[1]:].tolist()
+        free = oracle.generate(ids, max_new_tokens=10, do_sample=False)[0, ids.shape[1] :].tolist()
+        held = oracle.generate(ids, max_new_tokens=10, min_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
     assert len(free) < 8 and free[-1] == tokenizer.eos_token_id  # the oracle really stops early
     with nnrun.LLM("tiny-facts") as llm:
         prompt = ids[0].tolist()
@@ -148,12 +157,24 @@ def test_step_counters_count_forwards_requests_and_tokens(llama_pair):
     model, _ = llama_pair
     prompts = random_prompts([3, 5], seed=4)
     with nnrun.LLM(model) as llm:
-        assert llm.step_counters() == {"forwards": 0, "batched_requests": 0, "forwarded_tokens": 0,
-                                       "finished_requests": 0}
+        assert llm.step_counters() == {
+            "forwards": 0,
+            "batched_requests": 0,
+            "forwarded_tokens": 0,
+            "finished_requests": 0,
+        }
         llm.generate(prompts, nnrun.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
         # One prefill of both prompts (3 + 5 tokens), then two decode steps of one token each per prompt.
-        assert llm.step_counters() == {"forwards": 3, "batched_requests": 6, "forwarded_tokens": 8 + 2 + 2,
-                                       "finished_requests": 2}
+        assert llm.step_counters() == {
+            "forwards": 3,
+            "batched_requests": 6,
+            "forwarded_tokens": 8 + 2 + 2,
+            "finished_requests": 2,
+        }
         llm.generate([prompts[0]], nnrun.SamplingParams(max_tokens=1, temperature=0))
-        assert llm.step_counters() == {"forwards": 4, "batched_requests": 7, "forwarded_tokens": 15,
-                                       "finished_requests": 3}
+        assert llm.step_counters() == {
+            "forwards": 4,
+            "batched_requests": 7,
+            "forwarded_tokens": 15,
+            "finished_requests": 3,
+        }

@@ -14,7 +14,13 @@ import copy
 import pytest
 import torch
 from transformers import (
-    Gemma2Config, Gemma2ForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
     Qwen2ForCausalLM,
 )
 
@@ -31,8 +37,15 @@ pytestmark = [
 ]
 
 VOCAB = 256
-_COMMON = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=1024)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
 FAMILIES = ["llama", "qwen2", "gemma2", "gpt2"]  # GQA; a sliding layer; window + softcap; per-layer scale
 TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}  # on log-probabilities
 
@@ -41,13 +54,32 @@ def _config(family: str):
     if family == "llama":
         return LlamaForCausalLM, LlamaConfig(**_COMMON, head_dim=64)
     if family == "qwen2":
-        return Qwen2ForCausalLM, Qwen2Config(**_COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=1,
-                                             layer_types=["full_attention", "sliding_attention"])
+        return Qwen2ForCausalLM, Qwen2Config(
+            **_COMMON,
+            use_sliding_window=True,
+            sliding_window=16,
+            max_window_layers=1,
+            layer_types=["full_attention", "sliding_attention"],
+        )
     if family == "gemma2":
-        return Gemma2ForCausalLM, Gemma2Config(**_COMMON, head_dim=64, sliding_window=16, attn_logit_softcapping=0.5,
-                                               final_logit_softcapping=3.0, query_pre_attn_scalar=64)
-    return GPT2LMHeadModel, GPT2Config(vocab_size=VOCAB, n_embd=256, n_layer=2, n_head=4, n_positions=1024,
-                                       bos_token_id=0, eos_token_id=0, scale_attn_by_inverse_layer_idx=True)
+        return Gemma2ForCausalLM, Gemma2Config(
+            **_COMMON,
+            head_dim=64,
+            sliding_window=16,
+            attn_logit_softcapping=0.5,
+            final_logit_softcapping=3.0,
+            query_pre_attn_scalar=64,
+        )
+    return GPT2LMHeadModel, GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=256,
+        n_layer=2,
+        n_head=4,
+        n_positions=1024,
+        bos_token_id=0,
+        eos_token_id=0,
+        scale_attn_by_inverse_layer_idx=True,
+    )
 
 
 def gpu_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -128,8 +160,9 @@ def test_bf16_prompt_logprobs_match_the_torch_backend(family):
     params = nnrun.SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0, logprobs=0, ignore_eos=True)
     results = {}
     for backend in ("torch", "flashinfer"):
-        with engine(gpu_model(family, torch.bfloat16), backend, torch.bfloat16, page_size=16,
-                    max_num_batched_tokens=64) as llm:
+        with engine(
+            gpu_model(family, torch.bfloat16), backend, torch.bfloat16, page_size=16, max_num_batched_tokens=64
+        ) as llm:
             results[backend] = llm.generate(prompts, params)
     for prompt, reference, output in zip(prompts, results["torch"], results["flashinfer"]):
         if len(prompt) > 1:
@@ -171,9 +204,19 @@ def _forward_batch(reqs: list[Request], new_lens: list[int], mode: ForwardMode) 
         kv_slots.append(slots)
         prefix_lens.append(prefix)
         num_tokens += new_len
-    return ForwardBatch(mode, reqs, torch.zeros(num_tokens, dtype=torch.int64), torch.cat(positions),
-                        torch.cat(out_cache_loc), list(new_lens), starts, prefix_lens, kv_slots,
-                        torch.zeros(0, dtype=torch.int64), [])
+    return ForwardBatch(
+        mode,
+        reqs,
+        torch.zeros(num_tokens, dtype=torch.int64),
+        torch.cat(positions),
+        torch.cat(out_cache_loc),
+        list(new_lens),
+        starts,
+        prefix_lens,
+        kv_slots,
+        torch.zeros(0, dtype=torch.int64),
+        [],
+    )
 
 
 def test_backend_matches_torch_backend_and_plans_once_per_group_per_step():
@@ -230,14 +273,22 @@ def test_backend_matches_torch_backend_and_plans_once_per_group_per_step():
 def test_cuda_graph_replay_equals_eager_and_matches_hf(family):
     """Requests of different lengths shrink the decode batch through several captured sizes."""
     prompts = random_prompts([3, 17, 9, 1, 30, 12, 44, 5, 21], seed=13)
-    params = [nnrun.SamplingParams(max_tokens=n, temperature=0, logprobs=0, ignore_eos=True)
-              for n in (2, 9, 4, 7, 12, 5, 16, 3, 10)]
+    params = [
+        nnrun.SamplingParams(max_tokens=n, temperature=0, logprobs=0, ignore_eos=True)
+        for n in (2, 9, 4, 7, 12, 5, 16, 3, 10)
+    ]
     model = gpu_model(family, torch.bfloat16)
     twin = fp32_twin(model)
     outputs = {}
     for graphs in (False, True):
-        with engine(copy.deepcopy(model), "flashinfer", torch.bfloat16, page_size=16, enable_cuda_graphs=graphs,
-                    cuda_graph_batch_sizes=[1, 2, 4, 8, 16]) as llm:
+        with engine(
+            copy.deepcopy(model),
+            "flashinfer",
+            torch.bfloat16,
+            page_size=16,
+            enable_cuda_graphs=graphs,
+            cuda_graph_batch_sizes=[1, 2, 4, 8, 16],
+        ) as llm:
             assert (llm.runner.graph_runner is not None) == graphs
             replays = _count_replays(llm)
             outputs[graphs] = llm.generate(prompts, params)
@@ -246,8 +297,9 @@ def test_cuda_graph_replay_equals_eager_and_matches_hf(family):
     for eager, replayed in zip(outputs[False], outputs[True]):
         # the same kernels on the same inputs; FlashInfer may split the KV differently in graph mode
         assert replayed.outputs[0].token_ids == eager.outputs[0].token_ids
-        for want, got, token in zip(eager.outputs[0].logprobs, replayed.outputs[0].logprobs,
-                                    replayed.outputs[0].token_ids):
+        for want, got, token in zip(
+            eager.outputs[0].logprobs, replayed.outputs[0].logprobs, replayed.outputs[0].token_ids
+        ):
             assert abs(got[token] - want[token]) < TOL[torch.bfloat16]
 
 
@@ -276,8 +328,16 @@ def test_decode_steps_run_in_graphs_by_default_on_cuda():
 def test_kv_pool_fills_the_engines_share_of_the_card():
     """gpu_memory_utilization=0.3: after start-up the card is ~30% used (the profiled activations are
     freed again; the attention workspace and graphs come on top), and the pool got the rest of it."""
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=8, head_dim=128, max_position_embeddings=1024)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=1024,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=1024,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval().to(torch.bfloat16)  # 32 KiB of KV per token
     total = torch.cuda.mem_get_info()[1]
@@ -285,7 +345,7 @@ def test_kv_pool_fills_the_engines_share_of_the_card():
         in_use = total - torch.cuda.mem_get_info()[0]
         pool = llm.runner.kv_pool
         pool_bytes = sum(t.numel() * t.element_size() for t in pool.k_pages + pool.v_pages)
-        assert abs(in_use - 0.3 * total) < 3 * (1 << 30), (in_use / total)
+        assert abs(in_use - 0.3 * total) < 3 * (1 << 30), in_use / total
         assert pool_bytes > 0.3 * total - 6 * (1 << 30), pool_bytes / total
         outputs = llm.generate(random_prompts([5, 9]), nnrun.SamplingParams(max_tokens=3, temperature=0))
         assert all(len(o.outputs[0].token_ids) == 3 for o in outputs)

@@ -100,10 +100,12 @@ def test_bf16_patching_on_flashinfer_matches_nnsight(bf16_models):
         warnings.simplefilter("ignore")
         (want_logits, want_layer), (got_logits, got_layer) = _patching(oracle), _patching(ours)
     # bf16 activations: both sides round differently (sdpa vs FlashInfer); compare log-probabilities
-    torch.testing.assert_close(got_logits.float().log_softmax(-1), want_logits.float().log_softmax(-1),
-                               atol=3e-2, rtol=0)
-    torch.testing.assert_close(got_layer[-got_layer.shape[0]:].float(), want_layer[-got_layer.shape[0]:].float(),
-                               atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        got_logits.float().log_softmax(-1), want_logits.float().log_softmax(-1), atol=3e-2, rtol=0
+    )
+    torch.testing.assert_close(
+        got_layer[-got_layer.shape[0] :].float(), want_layer[-got_layer.shape[0] :].float(), atol=5e-2, rtol=2e-2
+    )
 
 
 def test_bf16_steered_generation_runs_eagerly_and_matches_nnsight(bf16_models):
@@ -121,5 +123,6 @@ def test_bf16_steered_generation_runs_eagerly_and_matches_nnsight(bf16_models):
         runner.graph_runner.replay = replay
     assert replays["count"] == 0, "a traced decode step replayed a graph and skipped the steering"
     assert got_ids.tolist()[0][-4:] == want_ids.tolist()[0][-4:]
-    torch.testing.assert_close(got_logits.float().log_softmax(-1), want_logits.float().log_softmax(-1),
-                               atol=3e-2, rtol=0)
+    torch.testing.assert_close(
+        got_logits.float().log_softmax(-1), want_logits.float().log_softmax(-1), atol=3e-2, rtol=0
+    )

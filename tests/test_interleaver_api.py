@@ -147,8 +147,9 @@ def test_hf_generate_keywords_map_onto_the_engine_sampling(models):
     _, ours = models
     greedy = ours._sampling_params("generate", {"max_new_tokens": 3, "temperature": 0.7}, prompt_len=5)
     assert greedy.is_greedy and greedy.max_tokens == 3  # as HF: temperature without do_sample is ignored
-    sampled = ours._sampling_params("generate", {"do_sample": True, "temperature": 0.7, "top_p": 0.9,
-                                                 "repetition_penalty": 1.2}, prompt_len=5)
+    sampled = ours._sampling_params(
+        "generate", {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.2}, prompt_len=5
+    )
     assert (sampled.temperature, sampled.top_p, sampled.top_k, sampled.repetition_penalty) == (0.7, 0.9, 50, 1.2)
     assert sampled.max_tokens == 20  # HF's defaults for what the model's config leaves unset: top_k 50, 20 new tokens
     with ours.generate(PROMPT, max_new_tokens=4, do_sample=True, top_k=5, seed=3) as tracer:

@@ -11,8 +11,8 @@ import torch
 from conformance.compare import assert_same
 from conformance.models import oracle_and_nnrun, tiny_llama, tiny_tokenizer
 from interleaver.batcher import PackedBatcher
-from interleaver.mediator import PackedInterleaver, PackedMediator
 from interleaver.jobs import Invocation, TraceJob
+from interleaver.mediator import PackedInterleaver, PackedMediator
 from interleaver.tracer import _asks_for_grad
 
 CLEAN = "the eiffel tower is in the city of"

@@ -7,16 +7,19 @@ import threading
 import torch
 
 from interleaver.batcher import PackedBatcher
-from interleaver.mediator import PackedInterleaver, PackedMediator
 from interleaver.jobs import Invocation, TraceJob
+from interleaver.mediator import PackedInterleaver, PackedMediator
 from interleaver.requests import NNsightRequestHelper
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.request import Request, RequestStatus
 from nnrun.sampling_params import SamplingParams
 
 LOCATION = "model.model.layers.0.output"
-BLOCK = compile(f"from nnsight.intervention.interleaver import Mediator\n"
-                f"seen = Mediator.value({LOCATION!r}).clone().save()\n", "<block>", "exec")
+BLOCK = compile(
+    f"from nnsight.intervention.interleaver import Mediator\nseen = Mediator.value({LOCATION!r}).clone().save()\n",
+    "<block>",
+    "exec",
+)
 
 
 def mediator() -> PackedMediator:
@@ -33,9 +36,19 @@ def forward_batch(reqs: list[Request]) -> ForwardBatch:
     lengths = [r.num_tokens for r in reqs]
     starts = [sum(lengths[:i]) for i in range(len(reqs))]
     ends = [s + n - 1 for s, n in zip(starts, lengths)]
-    return ForwardBatch(ForwardMode.EXTEND, reqs, torch.zeros(sum(lengths), dtype=torch.int64),
-                        torch.zeros(sum(lengths), dtype=torch.int64), torch.zeros(sum(lengths), dtype=torch.int64),
-                        lengths, starts, [0] * len(reqs), [], torch.tensor(ends), list(range(len(reqs))))
+    return ForwardBatch(
+        ForwardMode.EXTEND,
+        reqs,
+        torch.zeros(sum(lengths), dtype=torch.int64),
+        torch.zeros(sum(lengths), dtype=torch.int64),
+        torch.zeros(sum(lengths), dtype=torch.int64),
+        lengths,
+        starts,
+        [0] * len(reqs),
+        [],
+        torch.tensor(ends),
+        list(range(len(reqs))),
+    )
 
 
 def on_engine_thread(fn):

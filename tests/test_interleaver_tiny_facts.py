@@ -7,14 +7,25 @@ import torch
 
 import nnrun
 from test_bundled_models import (
-    FINAL_INDEX, PARIS_PROMPT, ROME_PROMPT, SUBJECT_FIRST_INDEX, SUBJECT_LAST_INDEX, answer_token_id,
-    patched_last_logits, tiny_facts,  # noqa: F401  (tiny_facts is a fixture: plain HF model + tokenizer)
+    FINAL_INDEX,
+    PARIS_PROMPT,
+    ROME_PROMPT,
+    SUBJECT_FIRST_INDEX,
+    SUBJECT_LAST_INDEX,
+    answer_token_id,
+    patched_last_logits,
+    tiny_facts,  # noqa: F401  (a fixture: the plain HF model and its tokenizer)
 )
 from tolerance import assert_close_packed
 
 CASES = [
-    (0, SUBJECT_LAST_INDEX, "Rome"), (1, SUBJECT_LAST_INDEX, "Rome"), (2, FINAL_INDEX, "Rome"),
-    (0, 1, "Paris"), (1, SUBJECT_FIRST_INDEX, "Paris"), (0, FINAL_INDEX, "Paris"), (3, SUBJECT_LAST_INDEX, "Paris"),
+    (0, SUBJECT_LAST_INDEX, "Rome"),
+    (1, SUBJECT_LAST_INDEX, "Rome"),
+    (2, FINAL_INDEX, "Rome"),
+    (0, 1, "Paris"),
+    (1, SUBJECT_FIRST_INDEX, "Paris"),
+    (0, FINAL_INDEX, "Paris"),
+    (3, SUBJECT_LAST_INDEX, "Paris"),
 ]
 
 
@@ -50,7 +61,7 @@ def test_generate_min_new_tokens_runs_the_loop_to_its_count(nnrun_model, tiny_fa
     hf_model, tokenizer = tiny_facts
     ids = tokenizer("The Eiffel Tower is in", return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        expected = hf_model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+        expected = hf_model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
     with nnrun_model.generate("The Eiffel Tower is in", max_new_tokens=8, min_new_tokens=8) as tracer:
         samples = list().save()
         for _ in tracer.all():

@@ -1,9 +1,9 @@
 """Allocator, request table and KV pool bookkeeping."""
 
+import pytest
 import torch
 
 from nnrun.memory import KVPool, LayerKVShape, ReqToTokenPool, TokenToKVPoolAllocator
-import pytest
 
 
 def test_alloc_returns_none_when_exhausted_and_recovers_after_free():

@@ -38,8 +38,11 @@ def python3_kernel(tmp_path_factory):
     jupyter_dir = tmp_path_factory.mktemp("jupyter")
     spec_dir = jupyter_dir / "kernels" / "python3"
     spec_dir.mkdir(parents=True)
-    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-            "display_name": "Python 3 (nnrun tests)", "language": "python"}
+    spec = {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (nnrun tests)",
+        "language": "python",
+    }
     (spec_dir / "kernel.json").write_text(json.dumps(spec))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("JUPYTER_PATH", os.pathsep.join(filter(None, [str(jupyter_dir), os.environ.get("JUPYTER_PATH")])))
@@ -86,8 +89,9 @@ def test_notebook_runs_and_writes_its_figures(name, python3_kernel, tmp_path, re
         monkeypatch.setenv("NNRUN_API_KEY", api_key)
     shutil.copy(NOTEBOOKS_DIR / name, tmp_path / name)  # figures/ and activations/ land in the copy's folder
     notebook = nbformat.read(tmp_path / name, as_version=4)
-    client = nbclient.NotebookClient(notebook, timeout=CELL_TIMEOUT_S, kernel_name=python3_kernel,
-                                     resources={"metadata": {"path": str(tmp_path)}})
+    client = nbclient.NotebookClient(
+        notebook, timeout=CELL_TIMEOUT_S, kernel_name=python3_kernel, resources={"metadata": {"path": str(tmp_path)}}
+    )
     client.execute()  # raises CellExecutionError, with the cell and its traceback, on any error
     for figure in NOTEBOOK_TO_FIGURES[name]:
         path = tmp_path / "figures" / figure

@@ -35,8 +35,16 @@ DECODE_STEPS = 4
 # A packed step sums the same products in another order than a solo forward (other matmul shapes),
 # so fp32 values move by ulps of the largest value they were summed from: the bound scales with it.
 PACKED_REL = 1e-5
-_SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+_SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+)
 
 
 def tiny_model(model_type: str, **overrides) -> torch.nn.Module:
@@ -80,8 +88,10 @@ def packed_prompt_logits(llm: nnrun.LLM, prompts: list[list[int]]) -> list[torch
     finally:
         for req in reqs:
             runner.release_kv(req)
-    return [torch.cat([prompt_rows, next_row[None]]).float()
-            for prompt_rows, next_row in zip(output.prompt_logits, output.next_token_logits)]
+    return [
+        torch.cat([prompt_rows, next_row[None]]).float()
+        for prompt_rows, next_row in zip(output.prompt_logits, output.next_token_logits)
+    ]
 
 
 def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, what: str) -> float:
@@ -92,8 +102,11 @@ def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, what: str) -> 
     return diff
 
 
-def assert_packed_matches_hf(model: torch.nn.Module, prompts: list[list[int]] | None = None,
-                             swap_backend: Callable[[nnrun.LLM], object] | None = None) -> None:
+def assert_packed_matches_hf(
+    model: torch.nn.Module,
+    prompts: list[list[int]] | None = None,
+    swap_backend: Callable[[nnrun.LLM], object] | None = None,
+) -> None:
     """Packed prefill logits and greedy decode steps (tokens and logprobs) equal HF run one prompt at a time.
 
     `swap_backend` replaces the engine's attention backend before the first step (FlashInfer's, say).
@@ -123,15 +136,25 @@ def assert_packed_matches_hf(model: torch.nn.Module, prompts: list[list[int]] | 
 # ---- attention sinks ----------------------------------------------------------------------------
 
 SINK_FAMILIES = {
-    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-                    layer_types=["sliding_attention", "full_attention"]),
+    "gpt_oss": dict(
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
     "granite_swa": dict(sliding_window=4),
     "granitemoe_swa": dict(sliding_window=4),
     "flint": {},
     # sinks on the sliding layer only; v heads narrower than k heads
-    "mimo_v2_flash": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, v_head_dim=8,
-                          sliding_window=4, layer_types=["full_attention", "sliding_attention"],
-                          mlp_layer_types=["dense", "sparse"]),
+    "mimo_v2_flash": dict(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        v_head_dim=8,
+        sliding_window=4,
+        layer_types=["full_attention", "sliding_attention"],
+        mlp_layer_types=["dense", "sparse"],
+    ),
 }
 
 
@@ -204,6 +227,7 @@ def test_chunks_change_hf_results():
 
 # ---- attention probabilities (HF's output_attentions) with sinks and chunks -------------------------
 
+
 @pytest.mark.parametrize("model_type", ["gpt_oss", "llama4_text"])
 def test_attention_probabilities_with_sinks_and_chunks_match_hf_eager(model_type):
     """Asking requests get HF eager's probabilities: the sink's share left out of each row, chunks masked."""
@@ -215,8 +239,11 @@ def test_attention_probabilities_with_sinks_and_chunks_match_hf_eager(model_type
     seen: dict = {}
     with nnrun.LLM(model, page_size=4) as llm:
         runner = llm.runner
-        reqs = [llm.make_request(prompt, nnrun.SamplingParams(max_tokens=1), extra_args={OUTPUT_ATTENTIONS_ARG: True})
-                for prompt in prompts]
+        reqs = [
+            llm.make_request(prompt, nnrun.SamplingParams(max_tokens=1), extra_args={OUTPUT_ATTENTIONS_ARG: True})
+            for prompt in prompts
+        ]
+
         def record(module, args, output) -> None:
             seen[module.layer_idx] = output[1]
 
@@ -240,16 +267,36 @@ def test_attention_probabilities_with_sinks_and_chunks_match_hf_eager(model_type
 
 # ---- positions the model numbers itself ---------------------------------------------------------
 
-_ENCODER_DECODER = dict(d_model=64, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
-                        encoder_attention_heads=4, decoder_ffn_dim=128, encoder_ffn_dim=128)
+_ENCODER_DECODER = dict(
+    d_model=64,
+    decoder_layers=2,
+    encoder_layers=2,
+    decoder_attention_heads=4,
+    encoder_attention_heads=4,
+    decoder_ffn_dim=128,
+    encoder_ffn_dim=128,
+)
 # Configs whose default special ids lie outside the tiny vocabulary get small ones.
 _SMALL_SPECIAL_IDS = dict(pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=0)
 DECODER_POSITION_FAMILIES = {
-    "bart": {}, "mbart": {}, "marian": _SMALL_SPECIAL_IDS, "pegasus": {}, "plbart": {}, "blenderbot": {},
-    "blenderbot-small": {}, "bigbird_pegasus": {},
+    "bart": {},
+    "mbart": {},
+    "marian": _SMALL_SPECIAL_IDS,
+    "pegasus": {},
+    "plbart": {},
+    "blenderbot": {},
+    "blenderbot-small": {},
+    "bigbird_pegasus": {},
 }
-PADDING_OFFSET_FAMILIES = ["roberta", "xlm-roberta", "xlm-roberta-xl", "roberta-prelayernorm", "camembert",
-                           "data2vec-text", "xmod"]
+PADDING_OFFSET_FAMILIES = [
+    "roberta",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+    "roberta-prelayernorm",
+    "camembert",
+    "data2vec-text",
+    "xmod",
+]
 
 
 @pytest.mark.parametrize("model_type", sorted(DECODER_POSITION_FAMILIES))
@@ -302,6 +349,7 @@ def test_adapted_positions_survive_decode_cuda_graphs(monkeypatch, model_type):
             assert token == row.argmax().item(), f"{model_type}: replayed decode step {step}"
             assert_close_to(torch.tensor(output.outputs[0].logprobs[step][token]), row[token], model_type)
 
+
 def test_context_ends_where_the_position_table_ends():
     """A table of 256 positions numbered from padding_idx + 1 = 2 holds 254 tokens; whisper's decoder its own 64."""
     model = tiny_model("roberta", is_decoder=True, **_SMALL_SPECIAL_IDS)
@@ -331,7 +379,9 @@ def test_position_tables_grown_on_demand_set_no_limit():
     with nnrun.LLM(model, page_size=4) as llm:
         assert llm.runner.max_model_len == model.config.max_position_embeddings
 
+
 # ---- logits rows --------------------------------------------------------------------------------
+
 
 def test_whisper_decoder_ignoring_logits_to_keep_samples_from_the_right_rows():
     model = tiny_model("whisper", **_ENCODER_DECODER, **_SMALL_SPECIAL_IDS)
@@ -347,6 +397,7 @@ def test_models_honouring_logits_to_keep_are_not_sliced_again():
 
 # ---- sparse-attention indexers ------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
 def test_sparse_attention_indexers_are_refused_by_name_on_the_packed_path(model_type):
     """Their indexer needs the attention mask and its own key cache: the packed probe names it, never crashes."""
@@ -360,10 +411,15 @@ def test_sparse_attention_indexers_are_refused_by_name_on_the_packed_path(model_
 
 # ---- FlashInfer backend selection ---------------------------------------------------------------
 
+
 def _layers(**settings) -> list[AttentionLayerInfo]:
     shape = LayerKVShape(num_kv_heads=2, head_dim=64, v_head_dim=64)
-    return [AttentionLayerInfo(layer_idx=i, num_q_heads=4, kv_shape=shape, scaling=0.125, sliding_window=None,
-                               softcap=None, **settings) for i in range(2)]
+    return [
+        AttentionLayerInfo(
+            layer_idx=i, num_q_heads=4, kv_shape=shape, scaling=0.125, sliding_window=None, softcap=None, **settings
+        )
+        for i in range(2)
+    ]
 
 
 def test_auto_takes_flashinfer_for_sink_layers(monkeypatch):
@@ -390,6 +446,7 @@ def test_auto_keeps_the_torch_backend_for_sinks_with_a_softcap_and_says_why(monk
 
 # ---- attention sinks on the FlashInfer backend (its torch emulator on CPU) --------------------------
 
+
 # mimo_v2_flash: sinks on its sliding layers only, and v heads narrower than k heads (no decode kernel, no graphs)
 @pytest.mark.parametrize("model_type", ["gpt_oss", "granite_swa", "mimo_v2_flash"])
 def test_sinks_on_the_flashinfer_backend_match_hf(monkeypatch, model_type):
@@ -415,6 +472,7 @@ def test_sinks_on_the_flashinfer_backend_match_hf(monkeypatch, model_type):
 
 
 # ---- chunked attention on the FlashInfer backend (its torch emulator on CPU) -------------------------
+
 
 def _use_flashinfer(llm: nnrun.LLM) -> FlashInferAttnBackend:
     runner = llm.runner
@@ -451,22 +509,24 @@ def test_chunks_that_split_a_page_keep_the_torch_backend():
 
 # ---- the real FlashInfer kernels (CUDA only) ----------------------------------------------------
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_real_flashinfer_sinks_and_chunks_match_the_torch_backend():
     """On the real kernels: sinks from the log-sum-exp (a full and a sliding layer) and chunks of 2 pages."""
     pytest.importorskip("flashinfer")
-    from test_gpu_flashinfer import PAGE_SIZE, _forward_batch
-
     from nnrun.attention.torch_backend import TorchAttnBackend
     from nnrun.forward_batch import ForwardMode
     from nnrun.memory import KVPool
     from nnrun.request import Request
+    from test_gpu_flashinfer import PAGE_SIZE, _forward_batch
 
     shape = LayerKVShape(2, 64, 64)
-    layers = [AttentionLayerInfo(0, 8, shape, 0.125, None, None, has_sinks=True),
-              AttentionLayerInfo(1, 8, shape, 0.125, 24, None, has_sinks=True),
-              AttentionLayerInfo(2, 8, shape, 0.125, None, None, chunk_size=2 * PAGE_SIZE)]
+    layers = [
+        AttentionLayerInfo(0, 8, shape, 0.125, None, None, has_sinks=True),
+        AttentionLayerInfo(1, 8, shape, 0.125, 24, None, has_sinks=True),
+        AttentionLayerInfo(2, 8, shape, 0.125, None, None, chunk_size=2 * PAGE_SIZE),
+    ]
     device, dtype = torch.device("cuda"), torch.bfloat16
     flashinfer_backend = FlashInferAttnBackend(KVPool([shape] * 3, 64, PAGE_SIZE, dtype, device), device, layers)
     torch_backend = TorchAttnBackend(KVPool([shape] * 3, 64, PAGE_SIZE, dtype, device), device)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

@@ -48,10 +48,45 @@ class _Ratio(float):
     pass
 
 
-VALUES = [0, 1, -1, 2, 3, 10**30, -(2**63), 2**64 - 1, 2**64, 10**400, True, False, None, 0.0, -0.0, 0.5, 1.0,
-          1.5, 2.0, -2.0, 1e-6, 1e-5, float("nan"), float("inf"), -float("inf"), np.int64(5), np.int32(-1),
-          np.float32(0.5), np.float64(2.5), np.bool_(True), _Level.HIGH, _Ratio(0.25), fractions.Fraction(1, 3),
-          "1", "0.5", [1], object]
+VALUES = [
+    0,
+    1,
+    -1,
+    2,
+    3,
+    10**30,
+    -(2**63),
+    2**64 - 1,
+    2**64,
+    10**400,
+    True,
+    False,
+    None,
+    0.0,
+    -0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    -2.0,
+    1e-6,
+    1e-5,
+    float("nan"),
+    float("inf"),
+    -float("inf"),
+    np.int64(5),
+    np.int32(-1),
+    np.float32(0.5),
+    np.float64(2.5),
+    np.bool_(True),
+    _Level.HIGH,
+    _Ratio(0.25),
+    fractions.Fraction(1, 3),
+    "1",
+    "0.5",
+    [1],
+    object,
+]
 
 
 def _outcome(check, *args, **kwargs):
@@ -65,13 +100,24 @@ def _outcome(check, *args, **kwargs):
 
 @pytest.mark.parametrize("value", VALUES, ids=repr)
 def test_field_checks_accept_and_refuse_exactly_as_before(value):
-    int_fields = [dict(minimum=1, optional=True), dict(minimum=0), dict(minimum=-1),
-                  dict(minimum=-(2**63), maximum=2**64 - 1, optional=True)]
+    int_fields = [
+        dict(minimum=1, optional=True),
+        dict(minimum=0),
+        dict(minimum=-1),
+        dict(minimum=-(2**63), maximum=2**64 - 1, optional=True),
+    ]
     for bounds in int_fields:
-        assert (_outcome(sampling_params._int_field, "f", value, **bounds)
-                == _outcome(_reference_int_field, "f", value, **bounds)), bounds
-    float_fields = [(0.0, math.inf, False), (0.0, 1.0, True), (0.0, 1.0, False), (0.0, math.inf, True),
-                    (-2.0, 2.0, False)]
+        assert _outcome(sampling_params._int_field, "f", value, **bounds) == _outcome(
+            _reference_int_field, "f", value, **bounds
+        ), bounds
+    float_fields = [
+        (0.0, math.inf, False),
+        (0.0, 1.0, True),
+        (0.0, 1.0, False),
+        (0.0, math.inf, True),
+        (-2.0, 2.0, False),
+    ]
     for low, high, is_low_open in float_fields:
-        assert (_outcome(sampling_params._float_field, "f", value, low, high, is_low_open=is_low_open)
-                == _outcome(_reference_float_field, "f", value, low, high, is_low_open=is_low_open))
+        assert _outcome(sampling_params._float_field, "f", value, low, high, is_low_open=is_low_open) == _outcome(
+            _reference_float_field, "f", value, low, high, is_low_open=is_low_open
+        )

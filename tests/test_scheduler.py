@@ -16,8 +16,13 @@ def make_scheduler(num_pages=16, page_size=4, max_num_seqs=4, max_num_batched_to
 
 
 def make_req(n, order, max_tokens=8, preemptible=True):
-    return Request(f"r{order}", list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens), arrival_order=order,
-                   is_preemptible=preemptible)
+    return Request(
+        f"r{order}",
+        list(range(1, n + 1)),
+        SamplingParams(max_tokens=max_tokens),
+        arrival_order=order,
+        is_preemptible=preemptible,
+    )
 
 
 def run_step(scheduler, batch, token=5):

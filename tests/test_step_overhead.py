@@ -8,11 +8,11 @@ import transformers.masking_utils as masking_utils
 from transformers.masking_utils import AttentionMaskInterface
 
 import nnrun
+from model_zoo import make_model, make_twin, random_prompts
+from nnrun import forward_batch
 from nnrun.attention import ATTN_IMPLEMENTATION
 from nnrun.attention.torch_backend import _extend_groups
-from nnrun import forward_batch
 from nnrun.forward_batch import ForwardMode
-from model_zoo import make_model, make_twin, random_prompts
 from tolerance import assert_close_packed
 
 GREEDY = nnrun.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
@@ -61,7 +61,10 @@ def test_decode_layout_equals_the_general_builder():
             assert getattr(fast, name).tolist() == getattr(general, name).tolist(), name
         assert [s.tolist() for s in fast.kv_slots] == [s.tolist() for s in general.kv_slots]
         assert (fast.extend_seq_lens, fast.prefix_lens, fast.next_token_logits_rows) == (
-            general.extend_seq_lens, general.prefix_lens, general.next_token_logits_rows)
+            general.extend_seq_lens,
+            general.prefix_lens,
+            general.next_token_logits_rows,
+        )
         for req in reqs:
             runner.release_kv(req)
 
@@ -79,14 +82,20 @@ def test_small_and_large_step_layouts_agree_with_the_page_arithmetic(monkeypatch
             req.num_computed_tokens = cached
         prefixes, seqs = [r.num_computed_tokens for r in reqs], [r.num_tokens for r in reqs]
         expected_positions = [pos for p, s in zip(prefixes, seqs) for pos in range(p, s)]
-        expected_slots = [r.page_ids[pos // page_size] * page_size + pos % page_size
-                          for r, p, s in zip(reqs, prefixes, seqs) for pos in range(p, s)]
+        expected_slots = [
+            r.page_ids[pos // page_size] * page_size + pos % page_size
+            for r, p, s in zip(reqs, prefixes, seqs)
+            for pos in range(p, s)
+        ]
         expected_rows = [r.req_pool_idx for r, p, s in zip(reqs, prefixes, seqs) for _ in range(s - p)]
         batches = []
         for layout, limit in ((forward_batch.token_layout_plain, 10**6), (forward_batch.token_layout_tensor, 0)):
             positions, slots, rows = layout(reqs, prefixes, seqs, page_size)
             assert (positions.tolist(), slots.tolist(), rows.tolist()) == (
-                expected_positions, expected_slots, expected_rows), layout.__name__
+                expected_positions,
+                expected_slots,
+                expected_rows,
+            ), layout.__name__
             monkeypatch.setattr(forward_batch, "PLAIN_LAYOUT_MAX_TOKENS", limit)
             batches.append(runner.prepare_forward_batch_extend(reqs))
         plain, tensor = batches
@@ -94,8 +103,10 @@ def test_small_and_large_step_layouts_agree_with_the_page_arithmetic(monkeypatch
             assert getattr(plain, name).tolist() == getattr(tensor, name).tolist(), name
         assert [s.tolist() for s in plain.kv_slots] == [s.tolist() for s in tensor.kv_slots]
         for req, slots in zip(reqs, plain.kv_slots):  # the request table holds every slot of each request
-            assert slots[req.num_computed_tokens:].tolist() == expected_slots[:req.num_tokens - req.num_computed_tokens]
-            expected_slots = expected_slots[req.num_tokens - req.num_computed_tokens:]
+            assert (
+                slots[req.num_computed_tokens :].tolist() == expected_slots[: req.num_tokens - req.num_computed_tokens]
+            )
+            expected_slots = expected_slots[req.num_tokens - req.num_computed_tokens :]
         for req in reqs:
             runner.release_kv(req)
 

@@ -20,9 +20,13 @@ VOCAB_SIZE = 10**6  # every id the tokenizers make is in range: only the ids are
 
 TEXTS = [
     "The Eiffel Tower is located in the city of",
-    " a leading space", "a trailing space ", "two  spaces,\na newline\tand a tab",
-    "ünïcödé ✓ 😀 日本語 \u00a0", "<|bos|> special tokens as text <|eos|> <eos> <pad>",
-    "Paris", "paris is in france the cat sat on the mat",
+    " a leading space",
+    "a trailing space ",
+    "two  spaces,\na newline\tand a tab",
+    "ünïcödé ✓ 😀 日本語 \u00a0",
+    "<|bos|> special tokens as text <|eos|> <eos> <pad>",
+    "Paris",
+    "paris is in france the cat sat on the mat",
 ]
 
 
@@ -32,8 +36,12 @@ def _byte_level_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     corpus = ["The cat sat on the mat.", "A dog ran in the park.", "Paris is in France."] * 20
-    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    backend.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
 
 
@@ -67,8 +75,15 @@ def test_a_text_prompt_has_hfs_ids_without_hfs_encoding_objects(tokenizer, monke
     assert len(calls) == len(TEXTS)  # only the oracle's calls: the prompts took the shortcut
 
 
-@pytest.mark.parametrize("settings", [dict(add_bos_token=True), dict(add_eos_token=True),
-                                      dict(add_bos_token=True, add_eos_token=True), dict(split_special_tokens=True)])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(add_bos_token=True),
+        dict(add_eos_token=True),
+        dict(add_bos_token=True, add_eos_token=True),
+        dict(split_special_tokens=True),
+    ],
+)
 def test_tokenizer_settings_a_user_changes_reach_the_shortcut(tokenizer, settings):
     """`tokenizer_kwargs` are set as attributes (as nnsight does); the ids follow them as HF's do."""
     if "add_bos_token" in settings and tokenizer.bos_token is None:
@@ -80,8 +95,9 @@ def test_tokenizer_settings_a_user_changes_reach_the_shortcut(tokenizer, setting
         assert first == hfs(text, tokenizer) == ours(text, tokenizer), text
 
 
-@pytest.mark.parametrize("enable", [lambda backend: backend.enable_truncation(2),
-                                    lambda backend: backend.enable_padding(length=40)])
+@pytest.mark.parametrize(
+    "enable", [lambda backend: backend.enable_truncation(2), lambda backend: backend.enable_padding(length=40)]
+)
 def test_a_backend_left_truncating_or_padding_gives_hfs_untruncated_unpadded_ids(tokenizer, enable):
     expected = [hfs(text, tokenizer) for text in TEXTS]
     for text, ids in zip(TEXTS, expected):

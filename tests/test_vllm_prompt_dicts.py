@@ -40,16 +40,22 @@ def test_dicts_on_submit_and_generate_stream(tiny_llm):
     assert len(chunks) == GREEDY.max_tokens and chunks[-1].outputs[0].token_ids == expected
 
 
-@pytest.mark.parametrize("prompt, match", [
-    ({"prompt": [1, 2]}, r"prompt\['prompt'\] must be text, got list .*token ids go in 'prompt_token_ids'"),
-    ({"prompt_token_ids": "abc"}, r"prompt\['prompt_token_ids'\] must be token ids, got a string"),
-    ({"prompt_token_ids": [1, 10 ** 6]}, r"prompt\['prompt_token_ids'\] token id 1000000 at position 1 is out of"),
-    ({"prompt_token_ids": []}, r"prompt\['prompt_token_ids'\] has no token ids"),
-    ({"prompt": ""}, r"prompt\['prompt'\] is an empty string"),
-    ({"prompt": "x", "temperature": 0}, r"prompt has keys nnrun does not know: temperature"),
-    ({"prompt": "x", "multi_modal_data": {"image": object()}}, r"prompt has multi_modal_data: nnrun serves text-only"),
-    ({"prompt_token_ids": [1], "prompt": 3}, r"prompt\['prompt'\] must be the ids' text"),
-])
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ({"prompt": [1, 2]}, r"prompt\['prompt'\] must be text, got list .*token ids go in 'prompt_token_ids'"),
+        ({"prompt_token_ids": "abc"}, r"prompt\['prompt_token_ids'\] must be token ids, got a string"),
+        ({"prompt_token_ids": [1, 10**6]}, r"prompt\['prompt_token_ids'\] token id 1000000 at position 1 is out of"),
+        ({"prompt_token_ids": []}, r"prompt\['prompt_token_ids'\] has no token ids"),
+        ({"prompt": ""}, r"prompt\['prompt'\] is an empty string"),
+        ({"prompt": "x", "temperature": 0}, r"prompt has keys nnrun does not know: temperature"),
+        (
+            {"prompt": "x", "multi_modal_data": {"image": object()}},
+            r"prompt has multi_modal_data: nnrun serves text-only",
+        ),
+        ({"prompt_token_ids": [1], "prompt": 3}, r"prompt\['prompt'\] must be the ids' text"),
+    ],
+)
 def test_bad_dicts_are_refused_naming_the_key(tiny_llm, prompt, match):
     llm, _ = tiny_llm
     with pytest.raises(ValueError, match=match):

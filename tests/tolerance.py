@@ -26,11 +26,17 @@ def packed_atol(expected: torch.Tensor, rel: float = PACKED_REL) -> float:
 def assert_close_packed(actual: torch.Tensor, expected: torch.Tensor, rel: float = PACKED_REL, msg: str = "") -> None:
     """Assert `actual` equals `expected` up to float summation order, relative to the values' size."""
     assert actual.shape == expected.shape, f"{msg}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    torch.testing.assert_close(actual.detach().float(), expected.detach().float(), atol=packed_atol(expected, rel),
-                               rtol=0, msg=(lambda m: f"{msg}: {m}") if msg else None)
+    torch.testing.assert_close(
+        actual.detach().float(),
+        expected.detach().float(),
+        atol=packed_atol(expected, rel),
+        rtol=0,
+        msg=(lambda m: f"{msg}: {m}") if msg else None,
+    )
 
 
 def close_packed(actual: torch.Tensor, expected: torch.Tensor, rel: float = PACKED_REL) -> bool:
     """Whether `actual` equals `expected` up to float summation order (for tests that assert a difference)."""
     return actual.shape == expected.shape and bool(
-        ((actual.detach().float() - expected.detach().float()).abs() <= packed_atol(expected, rel)).all())
+        ((actual.detach().float() - expected.detach().float()).abs() <= packed_atol(expected, rel)).all()
+    )

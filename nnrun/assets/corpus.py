@@ -162,12 +162,28 @@ RELATION_TO_TEMPLATES: dict[str, tuple[str, ...]] = {
 FILLER_NAMES = ("Anna", "Ben", "Clara", "David", "Emma", "Felix", "Grace", "Henry", "Ida", "Jack")
 FILLER_VERBS = ("reads", "writes", "likes", "buys", "finds", "paints", "cooks", "carries", "sees")
 FILLER_OBJECTS = (
-    "a book", "a letter", "the bread", "a red apple", "the old map", "a small boat",
-    "a green chair", "the long story", "a warm coat", "the blue cup", "a new song",
+    "a book",
+    "a letter",
+    "the bread",
+    "a red apple",
+    "the old map",
+    "a small boat",
+    "a green chair",
+    "the long story",
+    "a warm coat",
+    "the blue cup",
+    "a new song",
 )
 FILLER_TIMES = (
-    "every morning", "in the evening", "on Sunday", "after lunch", "before dinner",
-    "at night", "every day", "in the summer", "on the weekend",
+    "every morning",
+    "in the evening",
+    "on Sunday",
+    "after lunch",
+    "before dinner",
+    "at night",
+    "every day",
+    "in the summer",
+    "on the weekend",
 )
 FILLER_EXTRAS = (
     "The weather is nice today.",
@@ -230,7 +246,7 @@ def answer_words() -> list[str]:
 def _subject_in_template(subject: str, template: str) -> str:
     # "The Eiffel Tower" opens a sentence but reads "the Eiffel Tower" inside one.
     if not template.startswith("{s}") and subject.startswith("The "):
-        return "the " + subject[len("The "):]
+        return "the " + subject[len("The ") :]
     return subject
 
 
@@ -272,8 +288,10 @@ def filler_sentences(rng: random.Random) -> list[str]:
     sentences = list(FILLER_EXTRAS)
     while len(sentences) < NUM_FILLER_SENTENCES:
         sentence = "{} {} {} {}.".format(
-            rng.choice(FILLER_NAMES), rng.choice(FILLER_VERBS),
-            rng.choice(FILLER_OBJECTS), rng.choice(FILLER_TIMES),
+            rng.choice(FILLER_NAMES),
+            rng.choice(FILLER_VERBS),
+            rng.choice(FILLER_OBJECTS),
+            rng.choice(FILLER_TIMES),
         )
         sentences.append(sentence)
     return sentences

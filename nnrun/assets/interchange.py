@@ -40,16 +40,17 @@ class EncodedPrompts:
         """row -> the rows of the same relation whose answer differs (the swap partners)."""
         return [
             [
-                j for j in range(len(self.relations))
-                if self.relations[j] == self.relations[i]
-                and self.answer_ids[j] != self.answer_ids[i]
+                j
+                for j in range(len(self.relations))
+                if self.relations[j] == self.relations[i] and self.answer_ids[j] != self.answer_ids[i]
             ]
             for i in range(len(self.relations))
         ]
 
 
 def encode_prompts(
-    prompts: list[TemplatePrompt], tokenizer: PreTrainedTokenizerFast,
+    prompts: list[TemplatePrompt],
+    tokenizer: PreTrainedTokenizerFast,
 ) -> EncodedPrompts:
     """Tokenize prompts (BOS added) and locate the subject's last token in each."""
     input_ids, subject_last_indices, answer_ids = [], [], []
@@ -68,13 +69,14 @@ def encode_prompts(
 
 
 def sample_pairs(
-    partners: list[list[int]], num_pairs: int, generator: torch.Generator,
+    partners: list[list[int]],
+    num_pairs: int,
+    generator: torch.Generator,
 ) -> tuple[list[int], list[int]]:
     """Random (base, source) rows: same relation, different answers."""
     base_rows = torch.randint(len(partners), (num_pairs,), generator=generator).tolist()
     source_rows = [
-        partners[row][int(torch.randint(len(partners[row]), (1,), generator=generator))]
-        for row in base_rows
+        partners[row][int(torch.randint(len(partners[row]), (1,), generator=generator))] for row in base_rows
     ]
     return base_rows, source_rows
 
@@ -93,8 +95,12 @@ def _forward_hook(module: torch.nn.Module, hook: Callable) -> Iterator[None]:
 
 
 def interchange_loss(
-    model: PreTrainedModel, prompts: EncodedPrompts, base_rows: list[int], source_rows: list[int],
-    pad_id: int, layer_index: int = INTERCHANGE_LAYER,
+    model: PreTrainedModel,
+    prompts: EncodedPrompts,
+    base_rows: list[int],
+    source_rows: list[int],
+    pad_id: int,
+    layer_index: int = INTERCHANGE_LAYER,
 ) -> torch.Tensor:
     """Cross-entropy of the source answers after swapping in the source subjects' states."""
     layer = model.model.layers[layer_index]

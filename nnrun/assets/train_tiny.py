@@ -19,7 +19,11 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
-    GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
 )
 
@@ -55,9 +59,7 @@ class TrainConfig:
         if self.batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {self.batch_size}")
         if self.num_interchange_pairs < 0:
-            raise ValueError(
-                f"num_interchange_pairs must be >= 0, got {self.num_interchange_pairs}"
-            )
+            raise ValueError(f"num_interchange_pairs must be >= 0, got {self.num_interchange_pairs}")
 
 
 MODEL_TO_TRAIN_CONFIG = {
@@ -83,47 +85,67 @@ def build_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
     if split_answers:
         raise ValueError(f"answer words not single tokens: {split_answers}")
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
         special_tokens=[(BOS_TOKEN, tokenizer.token_to_id(BOS_TOKEN))],
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN, model_max_length=MAX_POSITIONS, padding_side="right",
+        tokenizer_object=tokenizer,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        model_max_length=MAX_POSITIONS,
+        padding_side="right",
     )
 
 
 def build_model(name: str, tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
     """A freshly initialised tiny-facts (Llama, GQA) or tiny-facts-gpt2 model."""
     special_ids = dict(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     if name == "tiny-facts":
         config = LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=192, intermediate_size=512,
-            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True, **special_ids,
+            vocab_size=len(tokenizer),
+            hidden_size=192,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=MAX_POSITIONS,
+            tie_word_embeddings=True,
+            **special_ids,
         )
         return LlamaForCausalLM(config)
     if name == "tiny-facts-gpt2":
         config = GPT2Config(
-            vocab_size=len(tokenizer), n_embd=192, n_layer=4, n_head=4,
-            n_positions=MAX_POSITIONS, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-            tie_word_embeddings=True, **special_ids,
+            vocab_size=len(tokenizer),
+            n_embd=192,
+            n_layer=4,
+            n_head=4,
+            n_positions=MAX_POSITIONS,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=True,
+            **special_ids,
         )
         return GPT2LMHeadModel(config)
     raise ValueError(f"unknown model name {name!r}")
 
 
-def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, corpus: list[str],
-          config: TrainConfig) -> None:
+def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, corpus: list[str], config: TrainConfig) -> None:
     """Seeded AdamW with linear warmup and cosine decay over shuffled epochs of the corpus."""
     generator = torch.Generator().manual_seed(config.seed)
     sequences = [tokenizer(s)["input_ids"] + [tokenizer.eos_token_id] for s in corpus]
     prompts = encode_prompts(all_template_prompts(), tokenizer)
     partners = prompts.same_relation_other_answer()
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay,
+        model.parameters(),
+        lr=config.learning_rate,
+        weight_decay=config.weight_decay,
         betas=(0.9, 0.98),
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_scale(step, config))
@@ -136,9 +158,7 @@ def train(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, corpus: li
         loss = model(**collate([sequences[i] for i in batch_indices], tokenizer.pad_token_id)).loss
         if config.num_interchange_pairs:
             base_rows, source_rows = sample_pairs(partners, config.num_interchange_pairs, generator)
-            loss = loss + interchange_loss(
-                model, prompts, base_rows, source_rows, tokenizer.pad_token_id
-            )
+            loss = loss + interchange_loss(model, prompts, base_rows, source_rows, tokenizer.pad_token_id)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -172,8 +192,12 @@ def write_facts_table(path: Path) -> None:
     """The canonical prompt and answer of every fact, one JSON object a line."""
     with path.open("w") as f:
         for record in all_fact_records():
-            row = {"prompt": record.prompt, "answer": record.answer,
-                   "relation": record.relation, "subject": record.subject}
+            row = {
+                "prompt": record.prompt,
+                "answer": record.answer,
+                "relation": record.relation,
+                "subject": record.subject,
+            }
             f.write(json.dumps(row) + "\n")
 
 

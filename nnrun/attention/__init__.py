@@ -7,6 +7,11 @@ from nnrun.attention.probabilities import AttentionProbs
 from nnrun.attention.torch_backend import TorchAttnBackend
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "AttentionBackend", "AttentionProbs", "TorchAttnBackend", "current_backend",
-    "forward_context", "hf_masks_skipped",
+    "ATTN_IMPLEMENTATION",
+    "AttentionBackend",
+    "AttentionProbs",
+    "TorchAttnBackend",
+    "current_backend",
+    "forward_context",
+    "hf_masks_skipped",
 ]

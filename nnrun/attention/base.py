@@ -59,7 +59,8 @@ class AttentionBackend(ABC):
         """Plan a decode step of `batch_size` padding requests, for capture; `out_cache_loc` is the graph's own."""
         raise NotImplementedError(f"the {self.name} attention backend cannot run inside CUDA graphs")
 
-    def init_forward_metadata_replay(self, batch_size: int, forward_batch: ForwardBatch,
-                                     out_cache_loc: torch.Tensor) -> None:
+    def init_forward_metadata_replay(
+        self, batch_size: int, forward_batch: ForwardBatch, out_cache_loc: torch.Tensor
+    ) -> None:
         """Plan `forward_batch` (a decode step, padded to `batch_size`) into the buffers its graph reads."""
         raise NotImplementedError(f"the {self.name} attention backend cannot run inside CUDA graphs")

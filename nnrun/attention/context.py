@@ -25,8 +25,9 @@ _current_position_ids: torch.Tensor | None = None
 
 
 @contextmanager
-def forward_context(backend: AttentionBackend, probs_plan: AttentionProbsPlan | None = None,
-                    position_ids: torch.Tensor | None = None) -> Iterator[None]:
+def forward_context(
+    backend: AttentionBackend, probs_plan: AttentionProbsPlan | None = None, position_ids: torch.Tensor | None = None
+) -> Iterator[None]:
     global _current_backend, _current_probs_plan, _current_position_ids
     previous = _current_backend, _current_probs_plan, _current_position_ids
     _current_backend, _current_probs_plan, _current_position_ids = backend, probs_plan, position_ids

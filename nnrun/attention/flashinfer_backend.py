@@ -14,7 +14,12 @@ import torch
 
 from nnrun.attention.base import AttentionBackend
 from nnrun.attention.flashinfer_plan import (
-    PagedKVPlan, PlanGroup, flashinfer_unplanned_features, group_layers, layer_to_group_index, pad_decode_plan,
+    PagedKVPlan,
+    PlanGroup,
+    flashinfer_unplanned_features,
+    group_layers,
+    layer_to_group_index,
+    pad_decode_plan,
     plan_forward_batch,
 )
 from nnrun.forward_batch import ForwardBatch, ForwardMode
@@ -44,15 +49,22 @@ class FlashInferAttnBackend(AttentionBackend):
 
     name = "flashinfer"
 
-    def __init__(self, kv_pool: KVPool, device: torch.device, layers: list[AttentionLayerInfo],
-                 workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> None:
+    def __init__(
+        self,
+        kv_pool: KVPool,
+        device: torch.device,
+        layers: list[AttentionLayerInfo],
+        workspace_bytes: int = DEFAULT_WORKSPACE_BYTES,
+    ) -> None:
         import flashinfer
 
         super().__init__(kv_pool, device)
         self.dtype = kv_pool.k_pages[0].dtype
         if self.device.type == "cuda" and self.dtype not in KERNEL_DTYPES:
-            raise ValueError(f"the flashinfer attention backend runs float16 or bfloat16 models, got {self.dtype}; "
-                             "use attention_backend='torch' for this dtype")
+            raise ValueError(
+                f"the flashinfer attention backend runs float16 or bfloat16 models, got {self.dtype}; "
+                "use attention_backend='torch' for this dtype"
+            )
         if workspace_bytes <= 0:
             raise ValueError(f"workspace_bytes must be positive, got {workspace_bytes}")
         unplanned = flashinfer_unplanned_features(layers, kv_pool.page_size)
@@ -67,8 +79,12 @@ class FlashInferAttnBackend(AttentionBackend):
         ]
         self.decode_wrappers = [
             flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, kv_layout="NHD", use_tensor_cores=_decode_uses_tensor_cores(group),
-            ) if group.has_decode_kernel else None
+                self.workspace,
+                kv_layout="NHD",
+                use_tensor_cores=_decode_uses_tensor_cores(group),
+            )
+            if group.has_decode_kernel
+            else None
             for group in self.groups
         ]
         self.graph_decode_wrappers: dict[int, list] = {}  # per captured batch size, one wrapper per group
@@ -76,8 +92,10 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         # One set of page tables per chunk size among the groups (None: whole-prefix attention).
-        plans = {chunk_size: plan_forward_batch(forward_batch, self.kv_pool.page_size, chunk_size)
-                 for chunk_size in dict.fromkeys(group.chunk_size for group in self.groups)}
+        plans = {
+            chunk_size: plan_forward_batch(forward_batch, self.kv_pool.page_size, chunk_size)
+            for chunk_size in dict.fromkeys(group.chunk_size for group in self.groups)
+        }
         mode = next(iter(plans.values())).forward_mode
         out_cache_loc = forward_batch.out_cache_loc.to(self.device)  # [N]
         if forward_batch.batch_size == 0:
@@ -86,10 +104,14 @@ class FlashInferAttnBackend(AttentionBackend):
         # flashinfer reads qo_indptr, kv_indptr and last_page_len on the host during plan() (a
         # device copy would cost one sync per group), and copies them to the device itself; the
         # page list, the one array that grows with context, goes to the device once for all groups.
-        kv_indices = {chunk_size: plan.kv_indices.to(self.device, non_blocking=True)  # [num_pages_used] int32
-                      for chunk_size, plan in plans.items()}
-        wrappers = [self._plan_group(index, group, plans[group.chunk_size], kv_indices[group.chunk_size])
-                    for index, group in enumerate(self.groups)]
+        kv_indices = {
+            chunk_size: plan.kv_indices.to(self.device, non_blocking=True)  # [num_pages_used] int32
+            for chunk_size, plan in plans.items()
+        }
+        wrappers = [
+            self._plan_group(index, group, plans[group.chunk_size], kv_indices[group.chunk_size])
+            for index, group in enumerate(self.groups)
+        ]
         self.metadata = _StepMetadata(out_cache_loc, mode, wrappers)
 
     def _plan_group(self, index: int, group: PlanGroup, plan: PagedKVPlan, kv_indices: torch.Tensor):
@@ -97,8 +119,14 @@ class FlashInferAttnBackend(AttentionBackend):
             return self._plan_decode(self.decode_wrappers[index], group, plan, kv_indices)
         wrapper = self.prefill_wrappers[index]
         wrapper.plan(
-            plan.qo_indptr, plan.kv_indptr, kv_indices, plan.kv_last_page_len,
-            group.num_qo_heads, group.num_kv_heads, group.head_dim, plan.page_size,
+            plan.qo_indptr,
+            plan.kv_indptr,
+            kv_indices,
+            plan.kv_last_page_len,
+            group.num_qo_heads,
+            group.num_kv_heads,
+            group.head_dim,
+            plan.page_size,
             head_dim_vo=group.v_head_dim,
             causal=True,  # bottom-right aligned: new token j sees the prefix and new tokens 0..j
             **self._kernel_settings(group),
@@ -107,8 +135,13 @@ class FlashInferAttnBackend(AttentionBackend):
 
     def _plan_decode(self, wrapper, group: PlanGroup, plan: PagedKVPlan, kv_indices: torch.Tensor):
         wrapper.plan(
-            plan.kv_indptr, kv_indices, plan.kv_last_page_len,
-            group.num_qo_heads, group.num_kv_heads, group.head_dim, plan.page_size,
+            plan.kv_indptr,
+            kv_indices,
+            plan.kv_last_page_len,
+            group.num_qo_heads,
+            group.num_kv_heads,
+            group.head_dim,
+            plan.page_size,
             **self._kernel_settings(group),
         )
         return wrapper
@@ -141,13 +174,16 @@ class FlashInferAttnBackend(AttentionBackend):
 
         max_batch_size = max(batch_sizes)
         self.graph_kv_indptr = torch.zeros(max_batch_size + 1, dtype=torch.int32, device=self.device)
-        self.graph_kv_indices = torch.zeros(self.kv_pool.num_pages + max_batch_size, dtype=torch.int32,
-                                            device=self.device)
+        self.graph_kv_indices = torch.zeros(
+            self.kv_pool.num_pages + max_batch_size, dtype=torch.int32, device=self.device
+        )
         self.graph_kv_last_page_len = torch.ones(max_batch_size, dtype=torch.int32, device=self.device)
         self.graph_decode_wrappers = {
             batch_size: [
                 flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self.workspace, kv_layout="NHD", use_cuda_graph=True,
+                    self.workspace,
+                    kv_layout="NHD",
+                    use_cuda_graph=True,
                     use_tensor_cores=_decode_uses_tensor_cores(group),
                     paged_kv_indptr_buffer=self.graph_kv_indptr[: batch_size + 1],
                     paged_kv_indices_buffer=self.graph_kv_indices,
@@ -159,19 +195,23 @@ class FlashInferAttnBackend(AttentionBackend):
         }
 
     def init_forward_metadata_capture(self, batch_size: int, out_cache_loc: torch.Tensor) -> None:
-        no_requests = PagedKVPlan(ForwardMode.DECODE, self.kv_pool.page_size,
-                                  *(torch.zeros(n, dtype=torch.int32) for n in (1, 1, 0, 0)))
+        no_requests = PagedKVPlan(
+            ForwardMode.DECODE, self.kv_pool.page_size, *(torch.zeros(n, dtype=torch.int32) for n in (1, 1, 0, 0))
+        )
         self._plan_graph(batch_size, pad_decode_plan(no_requests, batch_size, self.kv_pool.trash_page), out_cache_loc)
 
-    def init_forward_metadata_replay(self, batch_size: int, forward_batch: ForwardBatch,
-                                     out_cache_loc: torch.Tensor) -> None:
+    def init_forward_metadata_replay(
+        self, batch_size: int, forward_batch: ForwardBatch, out_cache_loc: torch.Tensor
+    ) -> None:
         plan = plan_forward_batch(forward_batch, self.kv_pool.page_size)
         self._plan_graph(batch_size, pad_decode_plan(plan, batch_size, self.kv_pool.trash_page), out_cache_loc)
 
     def _plan_graph(self, batch_size: int, plan: PagedKVPlan, out_cache_loc: torch.Tensor) -> None:
         kv_indices = plan.kv_indices.to(self.device, non_blocking=True)  # [pages used + padding rows] int32
-        wrappers = [self._plan_decode(wrapper, group, plan, kv_indices)
-                    for wrapper, group in zip(self.graph_decode_wrappers[batch_size], self.groups)]
+        wrappers = [
+            self._plan_decode(wrapper, group, plan, kv_indices)
+            for wrapper, group in zip(self.graph_decode_wrappers[batch_size], self.groups)
+        ]
         self.metadata = _StepMetadata(out_cache_loc, ForwardMode.DECODE, wrappers)
 
     def forward(self, layer_idx, q, k, v, scaling, sliding_window, softcap, sinks=None, chunk_size=None):
@@ -182,8 +222,10 @@ class FlashInferAttnBackend(AttentionBackend):
         group_index = self.layer_to_group[layer_idx]
         self._check_layer_call(layer_idx, self.groups[group_index], scaling, sliding_window, softcap, chunk_size)
         if (sinks is not None) != (layer_idx in self.sink_layers):
-            raise RuntimeError(f"layer {layer_idx} attends {'with' if sinks is not None else 'without'} attention "
-                               "sinks, unlike at the load-time probe")
+            raise RuntimeError(
+                f"layer {layer_idx} attends {'with' if sinks is not None else 'without'} attention "
+                "sinks, unlike at the load-time probe"
+            )
         kv_cache = (self.kv_pool.k_pages[layer_idx], self.kv_pool.v_pages[layer_idx])  # NHD [pages, page_size, Hkv, D]
         wrapper = meta.wrappers[group_index]
         if sinks is None:
@@ -194,8 +236,12 @@ class FlashInferAttnBackend(AttentionBackend):
     @staticmethod
     def _check_layer_call(layer_idx: int, group: PlanGroup, scaling, sliding_window, softcap, chunk_size) -> None:
         """The plan was built from the load-time probe; a layer that changes its settings would be wrong."""
-        planned = (group.sm_scale, group.window_left + 1 if group.window_left >= 0 else None, group.logits_soft_cap,
-                   group.chunk_size)
+        planned = (
+            group.sm_scale,
+            group.window_left + 1 if group.window_left >= 0 else None,
+            group.logits_soft_cap,
+            group.chunk_size,
+        )
         if (float(scaling), sliding_window, softcap, chunk_size) != planned:
             raise RuntimeError(
                 f"layer {layer_idx} attends with scaling={scaling}, sliding_window={sliding_window}, "

@@ -68,8 +68,16 @@ def group_layers(layers: Sequence[AttentionLayerInfo]) -> list[PlanGroup]:
     """Plan groups in order of first layer; each layer belongs to exactly one group."""
     members: dict[tuple, list[int]] = {}
     for layer in layers:
-        key = (layer.num_q_heads, layer.kv_shape.num_kv_heads, layer.kv_shape.head_dim, layer.kv_shape.v_head_dim,
-               window_left_of(layer.sliding_window), layer.softcap, float(layer.scaling), layer.chunk_size)
+        key = (
+            layer.num_q_heads,
+            layer.kv_shape.num_kv_heads,
+            layer.kv_shape.head_dim,
+            layer.kv_shape.v_head_dim,
+            window_left_of(layer.sliding_window),
+            layer.softcap,
+            float(layer.scaling),
+            layer.chunk_size,
+        )
         members.setdefault(key, []).append(layer.layer_idx)
     return [PlanGroup(tuple(ids), *key) for key, ids in members.items()]
 
@@ -110,8 +118,13 @@ class PagedKVPlan:
         return (num_pages - 1) * self.page_size + self.kv_last_page_len
 
 
-def plan_paged_kv(prefix_lens: Sequence[int], extend_seq_lens: Sequence[int],
-                  page_tables: Sequence[Sequence[int]], page_size: int, chunk_size: int | None = None) -> PagedKVPlan:
+def plan_paged_kv(
+    prefix_lens: Sequence[int],
+    extend_seq_lens: Sequence[int],
+    page_tables: Sequence[Sequence[int]],
+    page_size: int,
+    chunk_size: int | None = None,
+) -> PagedKVPlan:
     """CSR page tables for requests with `prefix_lens` cached and `extend_seq_lens` new tokens.
 
     `page_tables[b]` lists request b's pages in token order; it may hold more pages than the
@@ -122,20 +135,25 @@ def plan_paged_kv(prefix_lens: Sequence[int], extend_seq_lens: Sequence[int],
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
     if not len(prefix_lens) == len(extend_seq_lens) == len(page_tables):
-        raise ValueError(f"{len(prefix_lens)} prefix lengths, {len(extend_seq_lens)} extend lengths and "
-                         f"{len(page_tables)} page tables: one of each per request is needed")
+        raise ValueError(
+            f"{len(prefix_lens)} prefix lengths, {len(extend_seq_lens)} extend lengths and "
+            f"{len(page_tables)} page tables: one of each per request is needed"
+        )
     if chunk_size is not None and (chunk_size <= 0 or chunk_size % page_size):
         raise ValueError(f"chunk_size must be a positive multiple of page_size={page_size}, got {chunk_size}")
     qo_indptr, kv_indptr, kv_indices, last_page_lens = [0], [0], [], []
     for prefix_len, extend_len, pages in zip(prefix_lens, extend_seq_lens, page_tables):
         if prefix_len < 0 or extend_len <= 0:
-            raise ValueError(f"each request needs prefix_len >= 0 and at least one new token, "
-                             f"got prefix_len={prefix_len}, extend_len={extend_len}")
+            raise ValueError(
+                f"each request needs prefix_len >= 0 and at least one new token, "
+                f"got prefix_len={prefix_len}, extend_len={extend_len}"
+            )
         seq_len = prefix_len + extend_len
         num_pages = -(-seq_len // page_size)
         if len(pages) < num_pages:
-            raise ValueError(f"a request of {seq_len} tokens needs {num_pages} pages of {page_size}, "
-                             f"its page table has {len(pages)}")
+            raise ValueError(
+                f"a request of {seq_len} tokens needs {num_pages} pages of {page_size}, its page table has {len(pages)}"
+            )
         for kv_start, q_start, kv_end in _attended_spans(prefix_len, seq_len, chunk_size):
             first_page, end_page = kv_start // page_size, -(-kv_end // page_size)
             qo_indptr.append(qo_indptr[-1] + kv_end - q_start)
@@ -157,8 +175,10 @@ def _attended_spans(prefix_len: int, seq_len: int, chunk_size: int | None) -> li
     """`(kv_start, q_start, kv_end)` per planned request: new tokens `q_start..kv_end` see keys `kv_start..`."""
     if chunk_size is None:
         return [(0, prefix_len, seq_len)]
-    return [(chunk_start, max(prefix_len, chunk_start), min(seq_len, chunk_start + chunk_size))
-            for chunk_start in range(prefix_len - prefix_len % chunk_size, seq_len, chunk_size)]
+    return [
+        (chunk_start, max(prefix_len, chunk_start), min(seq_len, chunk_start + chunk_size))
+        for chunk_start in range(prefix_len - prefix_len % chunk_size, seq_len, chunk_size)
+    ]
 
 
 def plan_forward_batch(forward_batch: ForwardBatch, page_size: int, chunk_size: int | None = None) -> PagedKVPlan:
@@ -166,8 +186,13 @@ def plan_forward_batch(forward_batch: ForwardBatch, page_size: int, chunk_size: 
 
     A step the runner labelled EXTEND stays EXTEND even if it happens to look like a decode.
     """
-    plan = plan_paged_kv(forward_batch.prefix_lens, forward_batch.extend_seq_lens,
-                         [req.page_ids for req in forward_batch.reqs], page_size, chunk_size)
+    plan = plan_paged_kv(
+        forward_batch.prefix_lens,
+        forward_batch.extend_seq_lens,
+        [req.page_ids for req in forward_batch.reqs],
+        page_size,
+        chunk_size,
+    )
     if forward_batch.forward_mode is not ForwardMode.DECODE:
         plan.forward_mode = ForwardMode.EXTEND
     elif plan.forward_mode is not ForwardMode.DECODE:
@@ -207,11 +232,20 @@ def flashinfer_unplanned_features(layers: list, page_size: int | None) -> str | 
     """
     capped_sink_layers = [layer.layer_idx for layer in layers if layer.has_sinks and layer.softcap is not None]
     if capped_sink_layers:
-        return (f"layers {capped_sink_layers} have attention sinks and a softcap together, which nnrun's FlashInfer "
-                "backend does not plan")
-    odd_chunks = sorted({layer.chunk_size for layer in layers
-                         if layer.chunk_size is not None and (page_size is None or layer.chunk_size % page_size)})
+        return (
+            f"layers {capped_sink_layers} have attention sinks and a softcap together, which nnrun's FlashInfer "
+            "backend does not plan"
+        )
+    odd_chunks = sorted(
+        {
+            layer.chunk_size
+            for layer in layers
+            if layer.chunk_size is not None and (page_size is None or layer.chunk_size % page_size)
+        }
+    )
     if odd_chunks:
-        return (f"attention chunks of {odd_chunks} tokens are not whole KV pages of {page_size} tokens, which "
-                "nnrun's FlashInfer backend plans chunks from")
+        return (
+            f"attention chunks of {odd_chunks} tokens are not whole KV pages of {page_size} tokens, which "
+            "nnrun's FlashInfer backend plans chunks from"
+        )
     return None

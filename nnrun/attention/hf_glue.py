@@ -54,15 +54,24 @@ def paged_attention_forward(
         q = (q * query_rescale(module, position_ids)[:, None, None]).to(q.dtype)  # [N, Hq, D]
     sliding_window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
     chunk_size = attention_chunk_size(module)
-    out = backend.forward(module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1),
-                          scaling=scaling, sliding_window=sliding_window, softcap=softcap, sinks=sinks,
-                          chunk_size=chunk_size)  # [N, Hq, Dv]
+    out = backend.forward(
+        module.layer_idx,
+        q,
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        scaling=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=sinks,
+        chunk_size=chunk_size,
+    )  # [N, Hq, Dv]
     probs_plan = current_probs_plan()
     if probs_plan is None:  # nobody in the step asked: the second output is None, as sdpa's
         return out.unsqueeze(0), None  # [1, N, Hq, Dv]
     # After the backend: it has written this layer's K into the pool, and its output stays as it is.
-    probs = probs_plan.compute(backend.kv_pool, module.layer_idx, q, scaling, sliding_window, softcap, sinks,
-                               chunk_size)
+    probs = probs_plan.compute(
+        backend.kv_pool, module.layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size
+    )
     return out.unsqueeze(0), probs
 
 
@@ -109,14 +118,25 @@ def _plain_attention(module, query, key, value, attention_mask, dropout, scaling
     """sdpa, as HF; a call with inputs sdpa cannot apply gets the module's own file's eager attention."""
     eager_only = [name for name in _EAGER_ONLY_INPUTS if kwargs.get(name) is not None]
     if not eager_only:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if eager is None:
-        raise RuntimeError(f"{type(module).__name__} attends with {eager_only}, which sdpa cannot apply, and its "
-                           "module has no eager attention to run them")
-    out, _ = eager(module, query, key, value, _additive_mask(attention_mask, query, key), dropout=dropout,
-                   scaling=scaling, **kwargs)
+        raise RuntimeError(
+            f"{type(module).__name__} attends with {eager_only}, which sdpa cannot apply, and its "
+            "module has no eager attention to run them"
+        )
+    out, _ = eager(
+        module,
+        query,
+        key,
+        value,
+        _additive_mask(attention_mask, query, key),
+        dropout=dropout,
+        scaling=scaling,
+        **kwargs,
+    )
     return out, None  # no probabilities, as sdpa returns none
 
 
@@ -131,7 +151,8 @@ def _additive_mask(sdpa_mask_: torch.Tensor | None, query: torch.Tensor, key: to
     if sdpa_mask_.dtype != torch.bool:
         return sdpa_mask_
     return torch.zeros(sdpa_mask_.shape, dtype=query.dtype, device=query.device).masked_fill(
-        ~sdpa_mask_, torch.finfo(query.dtype).min)
+        ~sdpa_mask_, torch.finfo(query.dtype).min
+    )
 
 
 def paged_attention_mask(*args, **kwargs) -> torch.Tensor | None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def allowed_keys(q_pos: torch.Tensor, kv_pos: torch.Tensor, sliding_window: int | None,
-                 chunk_size: int | None) -> torch.Tensor:
+def allowed_keys(
+    q_pos: torch.Tensor, kv_pos: torch.Tensor, sliding_window: int | None, chunk_size: int | None
+) -> torch.Tensor:
     """Bool, broadcast of `q_pos` against `kv_pos` (positions within one request).
 
     HF's rules: a key at or before the query; within a window W, the last W positions

@@ -63,8 +63,9 @@ class _AskingRequest:
     # (window, chunk) -> (slots, mask): the same for every layer of that kind in a step
     by_window: dict = field(default_factory=dict)
 
-    def keys(self, sliding_window: int | None,
-             chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def keys(
+        self, sliding_window: int | None, chunk_size: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The slots of the keys HF's cache holds for this layer kind, and the mask over them (None: all allowed)."""
         kind = (sliding_window, chunk_size)
         if kind not in self.by_window:
@@ -92,27 +93,49 @@ class AttentionProbsPlan:
         rows = forward_batch.attention_probs_rows
         if not rows:
             return None
-        return cls([
-            _AskingRequest(row, forward_batch.extend_start_loc[row], forward_batch.extend_seq_lens[row],
-                           forward_batch.prefix_lens[row], forward_batch.kv_slots[row].to(device))
-            for row in rows
-        ])
+        return cls(
+            [
+                _AskingRequest(
+                    row,
+                    forward_batch.extend_start_loc[row],
+                    forward_batch.extend_seq_lens[row],
+                    forward_batch.prefix_lens[row],
+                    forward_batch.kv_slots[row].to(device),
+                )
+                for row in rows
+            ]
+        )
 
-    def compute(self, kv_pool: KVPool, layer_idx: int, q: torch.Tensor, scaling: float,
-                sliding_window: int | None, softcap: float | None, sinks: torch.Tensor | None = None,
-                chunk_size: int | None = None) -> AttentionProbs:
+    def compute(
+        self,
+        kv_pool: KVPool,
+        layer_idx: int,
+        q: torch.Tensor,
+        scaling: float,
+        sliding_window: int | None,
+        softcap: float | None,
+        sinks: torch.Tensor | None = None,
+        chunk_size: int | None = None,
+    ) -> AttentionProbs:
         """`q` is the step's `[N, Hq, D]` queries; the layer's keys are already in the pool."""
         k_flat = kv_pool.k_flat(layer_idx)  # [num_slots, Hkv, D]
         by_row = {}
         for req in self.requests:
             slots, mask = req.keys(sliding_window, chunk_size)
-            by_row[req.row] = _eager_probs(q[req.q_start : req.q_start + req.q_len], k_flat.index_select(0, slots),
-                                           mask, scaling, softcap, sinks)
+            by_row[req.row] = _eager_probs(
+                q[req.q_start : req.q_start + req.q_len], k_flat.index_select(0, slots), mask, scaling, softcap, sinks
+            )
         return AttentionProbs(by_row)
 
 
-def _eager_probs(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float,
-                 softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def _eager_probs(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """HF eager's softmax for one request: q `[n, Hq, D]`, keys `[L, Hkv, D]`, mask `[n, L]` -> `[1, Hq, n, L]`.
 
     With attention sinks (`[Hq]`), each head's sink logit joins the softmax and its probability is

@@ -38,13 +38,16 @@ def create_attention_backend(name: str, kv_pool: KVPool, device: torch.device, l
         if unplanned:
             raise ValueError(f"DeviceConfig.attention_backend='flashinfer': {unplanned}; use attention_backend='torch'")
         if odd_head_dims:
-            raise ValueError(f"DeviceConfig.attention_backend='flashinfer' runs head dims {FLASHINFER_HEAD_DIMS}, "
-                             f"this model has {odd_head_dims}; use attention_backend='torch'")
+            raise ValueError(
+                f"DeviceConfig.attention_backend='flashinfer' runs head dims {FLASHINFER_HEAD_DIMS}, "
+                f"this model has {odd_head_dims}; use attention_backend='torch'"
+            )
         if device.type != "cuda":
             raise ValueError(f"DeviceConfig.attention_backend='flashinfer' needs a CUDA device, got {device}")
         if not _flashinfer_available():
-            raise ValueError("DeviceConfig.attention_backend='flashinfer' but flashinfer is not installed "
-                             "(pip install 'nnrun[gpu]')")
+            raise ValueError(
+                "DeviceConfig.attention_backend='flashinfer' but flashinfer is not installed (pip install 'nnrun[gpu]')"
+            )
         from nnrun.attention.flashinfer_backend import FlashInferAttnBackend
 
         return FlashInferAttnBackend(kv_pool, device, layers)

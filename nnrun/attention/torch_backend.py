@@ -63,8 +63,9 @@ class TorchAttnBackend(AttentionBackend):
         if forward_batch.forward_mode is ForwardMode.DECODE:
             seq_lens = torch.tensor(forward_batch.seq_lens, dtype=torch.int64)  # [B]
             padded = _padded_decode_slots(forward_batch, seq_lens, self.kv_pool.zero_slot)  # [B, max_len]
-            self.metadata = _TorchMetadata(out_cache_loc, ForwardMode.DECODE, [], padded.to(self.device),
-                                           seq_lens.to(self.device))
+            self.metadata = _TorchMetadata(
+                out_cache_loc, ForwardMode.DECODE, [], padded.to(self.device), seq_lens.to(self.device)
+            )
             return
         groups = _extend_groups(forward_batch, self.device)
         self.metadata = _TorchMetadata(out_cache_loc, ForwardMode.EXTEND, groups, None, None)
@@ -94,8 +95,9 @@ class TorchAttnBackend(AttentionBackend):
                 slots = group.kv_slots.flatten()
                 keys = k_flat.index_select(0, slots).view(*group.kv_slots.shape, *k_flat.shape[1:])  # [G, L, Hkv, D]
                 values = v_flat.index_select(0, slots).view(*group.kv_slots.shape, *v_flat.shape[1:])
-            attended = _attend(group_q, keys, values, group.prefix_len, scaling, sliding_window, softcap, sinks,
-                               chunk_size)  # [G, n, Hq, Dv]
+            attended = _attend(
+                group_q, keys, values, group.prefix_len, scaling, sliding_window, softcap, sinks, chunk_size
+            )  # [G, n, Hq, Dv]
             if group.token_indices is None:
                 out[tokens] = attended.reshape(num * q_len, *attended.shape[2:])
             else:
@@ -107,15 +109,22 @@ class TorchAttnBackend(AttentionBackend):
         batch_slots = meta.decode_slots.flatten()  # [B * L]
         k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
         keys = k_flat.index_select(0, batch_slots).view(*meta.decode_slots.shape, *k_flat.shape[1:])  # [B, L, Hkv, D]
-        values = v_flat.index_select(0, batch_slots).view(*meta.decode_slots.shape, *v_flat.shape[1:])  # [B, L, Hkv, Dv]
+        values = v_flat.index_select(0, batch_slots).view(
+            *meta.decode_slots.shape, *v_flat.shape[1:]
+        )  # [B, L, Hkv, Dv]
         allowed = meta.decode_masks.get((sliding_window, chunk_size))
         if allowed is None:
             allowed = meta.decode_masks[sliding_window, chunk_size] = _decode_mask(
-                meta.decode_seq_lens, keys.shape[1], sliding_window, chunk_size)
+                meta.decode_seq_lens, keys.shape[1], sliding_window, chunk_size
+            )
         if softcap is None and sinks is None:
             out = F.scaled_dot_product_attention(
-                q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=allowed, scale=scaling, enable_gqa=q.shape[1] != keys.shape[2],
+                q[:, :, None, :],
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=allowed,
+                scale=scaling,
+                enable_gqa=q.shape[1] != keys.shape[2],
             )  # [B, Hq, 1, Dv]
             return out[:, :, 0]
         out = _eager_attend(q[:, None], keys, values, allowed[:, None], scaling, softcap, sinks)  # [B, 1, Hq, Dv]
@@ -137,8 +146,9 @@ def _padded_decode_slots(forward_batch: ForwardBatch, seq_lens: torch.Tensor, ze
     return padded
 
 
-def _decode_mask(seq_lens: torch.Tensor, kv_len: int, sliding_window: int | None,
-                 chunk_size: int | None) -> torch.Tensor:
+def _decode_mask(
+    seq_lens: torch.Tensor, kv_len: int, sliding_window: int | None, chunk_size: int | None
+) -> torch.Tensor:
     """[B, 1, 1, kv_len] bool: which KV positions each request's one new token sees."""
     kv_pos = torch.arange(kv_len, device=seq_lens.device)[None, :]  # [1, L]
     q_pos = (seq_lens - 1)[:, None]  # [B, 1]
@@ -174,8 +184,12 @@ def _attend(q, k, v, prefix_len, scaling, sliding_window, softcap, sinks, chunk_
         allowed = allowed_keys(q_pos, kv_pos, sliding_window, chunk_size)  # [n, L]
     if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            attn_mask=allowed, is_causal=allowed is None and q_len > 1, scale=scaling,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=allowed,
+            is_causal=allowed is None and q_len > 1,
+            scale=scaling,
             enable_gqa=q.shape[2] != k.shape[2],
         )  # [G, Hq, n, Dv]
         return out.transpose(1, 2)

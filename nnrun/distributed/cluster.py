@@ -32,8 +32,9 @@ class RayExecutor:
         if self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s must be positive, got {self.poll_interval_s}")
         if self.max_ranges_ahead is not None and self.max_ranges_ahead < self.num_engines:
-            raise ValueError(f"max_ranges_ahead must be at least num_engines ({self.num_engines}), "
-                             f"got {self.max_ranges_ahead}")
+            raise ValueError(
+                f"max_ranges_ahead must be at least num_engines ({self.num_engines}), got {self.max_ranges_ahead}"
+            )
 
     @property
     def window(self) -> int:
@@ -67,5 +68,6 @@ def start_engines(engine_class: type, spec: Any, executor: RayExecutor, has_gpus
 
     resources = {"num_gpus": 1, "num_cpus": 1} if has_gpus else {"num_cpus": executor.cpus_per_engine}
     actor_class = ray.remote(concurrency_groups={"control": 1})(engine_class).options(
-        max_restarts=executor.max_restarts, max_task_retries=executor.max_task_retries, **resources)
+        max_restarts=executor.max_restarts, max_task_retries=executor.max_task_retries, **resources
+    )
     return [actor_class.remote(spec) for _ in range(executor.num_engines)]

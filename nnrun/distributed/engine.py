@@ -85,8 +85,9 @@ class ExtractionEngine:
         self._lock = threading.Lock()
 
     def describe(self) -> JobDescription:
-        return JobDescription(self.job.settings(), self.job.model_info(), self.llm.tokenizer, self.llm.vocab_size,
-                              self.job.length_policy)
+        return JobDescription(
+            self.job.settings(), self.job.model_info(), self.llm.tokenizer, self.llm.vocab_size, self.job.length_policy
+        )
 
     def run_range(self, number: int, prompts: list[PreparedPrompt]) -> tuple[RangeInfo, ShardBuffer]:
         """Forward one planned shard's prompts; the rows come back packed on the host.

@@ -57,8 +57,9 @@ def ray_runner(executor: Any, num_engines: int | None, address: str | None, verb
     elif executor == "ray":
         settings = RayExecutor(num_engines=1 if num_engines is None else num_engines, address=address, verbose=verbose)
     else:
-        raise ValueError(f"executor must be 'local', 'ray', a RayExecutor or an object with run(request), "
-                         f"got {executor!r}")
+        raise ValueError(
+            f"executor must be 'local', 'ray', a RayExecutor or an object with run(request), got {executor!r}"
+        )
     return RayRunner(settings)
 
 
@@ -69,24 +70,35 @@ def extract_on_ray(request: ExtractionRequest, executor: RayExecutor) -> Extract
     from nnrun.engine import LLM
 
     if isinstance(model, LLM):
-        raise ValueError("executor='ray' builds one engine per actor: pass the model (a name, path or module) "
-                         "and llm_kwargs, not an nnrun.LLM")
+        raise ValueError(
+            "executor='ray' builds one engine per actor: pass the model (a name, path or module) "
+            "and llm_kwargs, not an nnrun.LLM"
+        )
     import ray
 
     has_connected = connect(executor.address)
     engines: list[Any] = []
     try:
         has_gpus = uses_gpus(llm_kwargs or {})
-        spec = EngineSpec(model, tokenizer, dict(llm_kwargs or {}), modules, options, source.text_field, source.limit,
-                          num_threads=None if has_gpus else executor.cpus_per_engine)
+        spec = EngineSpec(
+            model,
+            tokenizer,
+            dict(llm_kwargs or {}),
+            modules,
+            options,
+            source.text_field,
+            source.limit,
+            num_threads=None if has_gpus else executor.cpus_per_engine,
+        )
         engines = start_engines(ExtractionEngine, spec, executor, has_gpus)
         if executor.on_engines is not None:
             executor.on_engines(list(engines))
         description = _describe(engines)
         driver = RangeDriver(engines, description, out_dir, options, executor.window, executor.poll_interval_s)
         make_progress = partial(EngineProgress, num_engines=len(engines), verbose=executor.verbose)
-        return run_in_folder(out_dir, description.settings, description.model_info, source, options,
-                             driver.extract_rest, make_progress)
+        return run_in_folder(
+            out_dir, description.settings, description.model_info, source, options, driver.extract_rest, make_progress
+        )
     finally:
         for engine in engines:
             ray.kill(engine)  # also ends ranges still running after a failure
@@ -103,8 +115,10 @@ def _describe(engines: list[Any]) -> JobDescription:
     for i, other in enumerate(descriptions[1:], start=1):
         diffs = settings_diff(first.settings, other.settings)
         if diffs:
-            raise ValueError(f"engine {i} differs from engine 0 ({'; '.join(diffs)}): every node must hold the "
-                             "same model files and library versions")
+            raise ValueError(
+                f"engine {i} differs from engine 0 ({'; '.join(diffs)}): every node must hold the "
+                "same model files and library versions"
+            )
     return first
 
 
@@ -123,8 +137,15 @@ class PendingRange:
 class RangeDriver:
     """Hand ranges to idle engines and commit finished ones in plan order, at most `window` uncommitted."""
 
-    def __init__(self, engines: list[Any], description: JobDescription, out_dir: Path,
-                 options: ExtractionOptions, window: int, poll_interval_s: float) -> None:
+    def __init__(
+        self,
+        engines: list[Any],
+        description: JobDescription,
+        out_dir: Path,
+        options: ExtractionOptions,
+        window: int,
+        poll_interval_s: float,
+    ) -> None:
         self.engines = engines
         self.description = description
         self.out_dir = out_dir
@@ -136,14 +157,18 @@ class RangeDriver:
         """Extract the input from `records` (positioned at `manifest.num_consumed`) to its end."""
         d = self.description
         prepared = prepare_prompts(records, d.tokenizer, d.vocab_size, d.length_policy)
-        plans = (plan for plan in plan_shards(prepared, self.options.shard_tokens, manifest.num_consumed)
-                 if plan.prompts or plan.skipped)  # an empty last plan: the input ended right after a shard
+        plans = (
+            plan
+            for plan in plan_shards(prepared, self.options.shard_tokens, manifest.num_consumed)
+            if plan.prompts or plan.skipped
+        )  # an empty last plan: the input ended right after a shard
         with ShardCommitter(self.out_dir, manifest) as committer:
             self._run(plans, records, committer, progress)
             committer.finish()
 
-    def _run(self, plans: Iterator[ShardPlan], records: HashedRecords, committer: ShardCommitter,
-             progress: EngineProgress) -> None:
+    def _run(
+        self, plans: Iterator[ShardPlan], records: HashedRecords, committer: ShardCommitter, progress: EngineProgress
+    ) -> None:
         import ray
 
         monitor = EngineMonitor(self.engines, progress, self.poll_interval_s)
@@ -163,8 +188,9 @@ class RangeDriver:
                 item = PendingRange(number, plan, records.commit(plan.end), is_done=not plan.prompts)
                 if plan.prompts:
                     engine = idle.pop(0)
-                    item.info_ref, item.rows_ref = self.engines[engine].run_range.options(num_returns=2).remote(
-                        number, plan.prompts)
+                    item.info_ref, item.rows_ref = (
+                        self.engines[engine].run_range.options(num_returns=2).remote(number, plan.prompts)
+                    )
                     running[item.info_ref] = (engine, item)
                     progress.range_started(number)
                 pending.append(item)
@@ -187,8 +213,9 @@ class RangeDriver:
                 info = ray.get(ref)  # raises the range's failure once Ray's retries are spent
                 idle.append(engine)
                 item.is_done = True
-                progress.range_done(engine, item.number, len(item.plan.prompts), item.plan.num_tokens, info.pid,
-                                    info.elapsed_s)
+                progress.range_done(
+                    engine, item.number, len(item.plan.prompts), item.plan.num_tokens, info.pid, info.elapsed_s
+                )
 
     def _commit(self, item: PendingRange, committer: ShardCommitter, progress: EngineProgress) -> None:
         import ray

@@ -18,19 +18,31 @@ from nnrun.extract.progress import ExtractionSummary, Progress
 class EngineProgress(Progress):
     """The job's bar counts every engine's forwards; `verbose` adds one bar per engine below it."""
 
-    def __init__(self, enabled: bool, total: int | None, initial: int = 0, *, num_engines: int = 1,
-                 verbose: bool = False) -> None:
+    def __init__(
+        self, enabled: bool, total: int | None, initial: int = 0, *, num_engines: int = 1, verbose: bool = False
+    ) -> None:
         super().__init__(enabled, total, initial)
         self.engine_pids: list[list[int]] = [[] for _ in range(num_engines)]  # in order; a second: Ray restarted it
         self.engine_tokens = [0] * num_engines
         self.engine_ranges = [0] * num_engines
         self.engine_busy_s = [0.0] * num_engines  # in run_range; well under the job's time: it waited on the driver
         self._counted: dict[int, tuple[int, int]] = {}  # running range -> (prompts, tokens) counted so far
-        self._engine_bars = [
-            tqdm(unit="tok", unit_scale=True, desc=f"engine {i}", position=i + 1, file=sys.stderr,
-                 dynamic_ncols=True, leave=False)
-            for i in range(num_engines)
-        ] if enabled and verbose else []
+        self._engine_bars = (
+            [
+                tqdm(
+                    unit="tok",
+                    unit_scale=True,
+                    desc=f"engine {i}",
+                    position=i + 1,
+                    file=sys.stderr,
+                    dynamic_ncols=True,
+                    leave=False,
+                )
+                for i in range(num_engines)
+            ]
+            if enabled and verbose
+            else []
+        )
 
     def range_started(self, number: int) -> None:
         self._counted[number] = (0, 0)
@@ -41,8 +53,9 @@ class EngineProgress(Progress):
         if counted is not None:
             self._count(engine, number, max(num_prompts, counted[0]), max(num_tokens, counted[1]))
 
-    def range_done(self, engine: int, number: int, num_prompts: int, num_tokens: int, pid: int,
-                   elapsed_s: float = 0.0) -> None:
+    def range_done(
+        self, engine: int, number: int, num_prompts: int, num_tokens: int, pid: int, elapsed_s: float = 0.0
+    ) -> None:
         """Count the rest of range `number`, which `engine` (in process `pid`) finished in `elapsed_s`."""
         self._count(engine, number, num_prompts, num_tokens)
         del self._counted[number]

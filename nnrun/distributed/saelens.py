@@ -39,8 +39,15 @@ class SaelensExport:
     num_dropped_tokens: int  # the tokens after the last whole context
 
 
-def export_saelens(store: ActivationStore | str | Path, module: str, out_dir: str | Path, *, context_size: int,
-                   hook_name: str | None = None, contexts_per_write: int = 256) -> SaelensExport:
+def export_saelens(
+    store: ActivationStore | str | Path,
+    module: str,
+    out_dir: str | Path,
+    *,
+    context_size: int,
+    hook_name: str | None = None,
+    contexts_per_write: int = 256,
+) -> SaelensExport:
     """Write `module`'s rows of a (complete or not) folder as a SAELens cached-activations dataset at `out_dir`."""
     import datasets
 
@@ -48,8 +55,9 @@ def export_saelens(store: ActivationStore | str | Path, module: str, out_dir: st
     if module not in store.modules:
         raise KeyError(f"module {module!r} was not extracted; the store holds {store.modules}")
     if store.positions != "all":
-        raise ValueError("SAELens trains on every token's activation; this folder holds only each prompt's last "
-                         "(positions='last')")
+        raise ValueError(
+            "SAELens trains on every token's activation; this folder holds only each prompt's last (positions='last')"
+        )
     if context_size <= 0:
         raise ValueError(f"context_size must be positive, got {context_size}")
     shape = store.manifest.activation_shapes.get(module, [])
@@ -59,22 +67,31 @@ def export_saelens(store: ActivationStore | str | Path, module: str, out_dir: st
     d_in, dtype = shape[0], _ARROW_DTYPES.get(store.dtype)
     if dtype is None:
         raise ValueError(f"no Arrow dtype for {store.dtype}")
-    features = datasets.Features({
-        hook_name: datasets.Array2D(shape=(context_size, d_in), dtype=dtype),
-        "token_ids": datasets.Sequence(datasets.Value("int32"), length=context_size),
-    })
+    features = datasets.Features(
+        {
+            hook_name: datasets.Array2D(shape=(context_size, d_in), dtype=dtype),
+            "token_ids": datasets.Sequence(datasets.Value("int32"), length=context_size),
+        }
+    )
     parts = []
     for chunk in _chunks(_contexts(store, module, context_size), contexts_per_write):
         activations = torch.stack([c[0] for c in chunk]).to(getattr(torch, dtype))  # [n, context_size, d_in]
         token_ids = torch.stack([c[1] for c in chunk])  # [n, context_size]
-        parts.append(datasets.Dataset.from_dict({hook_name: activations.numpy(), "token_ids": token_ids.numpy()},
-                                                features=features))
-    dataset = datasets.concatenate_datasets(parts) if parts else datasets.Dataset.from_dict(
-        {hook_name: [], "token_ids": []}, features=features)
+        parts.append(
+            datasets.Dataset.from_dict(
+                {hook_name: activations.numpy(), "token_ids": token_ids.numpy()}, features=features
+            )
+        )
+    dataset = (
+        datasets.concatenate_datasets(parts)
+        if parts
+        else datasets.Dataset.from_dict({hook_name: [], "token_ids": []}, features=features)
+    )
     dataset.save_to_disk(str(out_dir))
     num_contexts = len(dataset)
-    return SaelensExport(str(out_dir), hook_name, context_size, d_in, num_contexts,
-                         store.num_tokens - num_contexts * context_size)
+    return SaelensExport(
+        str(out_dir), hook_name, context_size, d_in, num_contexts, store.num_tokens - num_contexts * context_size
+    )
 
 
 def _contexts(store: ActivationStore, module: str, context_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

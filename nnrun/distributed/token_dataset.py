@@ -51,9 +51,21 @@ class TokenDataset(IterableDataset):
     epoch (the workers get the dataset as it is when an epoch's iteration starts).
     """
 
-    def __init__(self, store: ActivationStore | str | Path, module: str, *, batch_size: int, seed: int = 0,
-                 shuffle: bool = True, block_rows: int = 1024, window_rows: int = 32768, rank: int | None = None,
-                 world_size: int | None = None, epoch: int = 0, start: int = 0) -> None:
+    def __init__(
+        self,
+        store: ActivationStore | str | Path,
+        module: str,
+        *,
+        batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        block_rows: int = 1024,
+        window_rows: int = 32768,
+        rank: int | None = None,
+        world_size: int | None = None,
+        epoch: int = 0,
+        start: int = 0,
+    ) -> None:
         store = store if isinstance(store, ActivationStore) else load_activations(store)
         if module not in store.modules:
             raise KeyError(f"module {module!r} was not extracted; the store holds {store.modules}")
@@ -89,8 +101,11 @@ class TokenDataset(IterableDataset):
 
     def windows(self) -> list[list[Block]]:
         """This epoch's windows, in the order they are dealt to consumers."""
-        blocks = [Block(shard, first, min(first + self.block_rows, num_rows))
-                  for shard, num_rows in enumerate(self.rows_per_shard) for first in range(0, num_rows, self.block_rows)]
+        blocks = [
+            Block(shard, first, min(first + self.block_rows, num_rows))
+            for shard, num_rows in enumerate(self.rows_per_shard)
+            for first in range(0, num_rows, self.block_rows)
+        ]
         if self.shuffle:
             order = np.random.default_rng([self.seed, self.epoch]).permutation(len(blocks))
             blocks = [blocks[i] for i in order]
@@ -103,8 +118,10 @@ class TokenDataset(IterableDataset):
         windows = self.windows()
         num_consumers = self.world_size * num_workers
         first = self.rank * num_workers
-        rows_per_worker = [sum(sum(b.num_rows for b in window) for window in windows[c::num_consumers])
-                           for c in range(first, first + num_workers)]
+        rows_per_worker = [
+            sum(sum(b.num_rows for b in window) for window in windows[c::num_consumers])
+            for c in range(first, first + num_workers)
+        ]
         taken, next_worker = _batches_taken(self.start, rows_per_worker, self.batch_size)
         # The DataLoader asks worker 0 first: it plays the part of the worker that was due next.
         part = (worker_id + next_worker) % num_workers
@@ -158,12 +175,13 @@ def _batches_taken(start: int, rows_per_worker: list[int], batch_size: int) -> t
         for w in active:
             size = min(batch_size, rows_per_worker[w] - taken[w] * batch_size)
             if size > remaining:
-                raise ValueError(f"start={start} is not a whole number of this rank's batches (batch_size="
-                                 f"{batch_size}, {len(rows_per_worker)} workers)")
+                raise ValueError(
+                    f"start={start} is not a whole number of this rank's batches (batch_size="
+                    f"{batch_size}, {len(rows_per_worker)} workers)"
+                )
             remaining -= size
             taken[w] += 1
             next_worker = (w + 1) % len(taken)
             if remaining == 0:
                 break
     return taken, next_worker
-

@@ -92,8 +92,13 @@ class HFForward:
         self._keep_cache(req, output, start + input_ids.shape[1])
         return logits, type(output)
 
-    def call(self, input_ids: torch.Tensor, cache: Any, logits_indices: torch.Tensor | None = None,
-             output_attentions: bool = False) -> Any:
+    def call(
+        self,
+        input_ids: torch.Tensor,
+        cache: Any,
+        logits_indices: torch.Tensor | None = None,
+        output_attentions: bool = False,
+    ) -> Any:
         """One plain HF forward of `[1, T]` ids after `cache` (None: from the start)."""
         kwargs: dict[str, Any] = {"input_ids": input_ids}
         if output_attentions:
@@ -138,8 +143,11 @@ class HFForward:
 
     def forget_released(self) -> None:
         """Drop the caches of requests the scheduler preempted (it released their pages: nothing is computed)."""
-        released = [rid for rid, cache in self.caches.items() if cache.request.num_computed_tokens < cache.num_tokens
-                    and not cache.request.page_ids]
+        released = [
+            rid
+            for rid, cache in self.caches.items()
+            if cache.request.num_computed_tokens < cache.num_tokens and not cache.request.page_ids
+        ]
         self.forget(released)
 
 

@@ -47,11 +47,17 @@ def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFF
     if not getattr(model, "can_generate", lambda: True)():
         raise ModelRefusedError(
             f"{family}: {type(model).__name__} cannot generate text (HF's can_generate() is False: an encoder-only "
-            "or other non-causal head); nnrun runs causal language models (AutoModelForCausalLM's classes)")
+            "or other non-causal head); nnrun runs causal language models (AutoModelForCausalLM's classes)"
+        )
     hf = HFForward(model, runner.device)
     max_len = min(runner.max_model_len, runner.req_to_token_pool.max_context_len)
-    lengths = probe_lengths(_shortest_window(runner), max_len, runner.max_total_tokens, runner.allocator.page_size,
-                            runner.req_to_token_pool.num_free_rows)
+    lengths = probe_lengths(
+        _shortest_window(runner),
+        max_len,
+        runner.max_total_tokens,
+        runner.allocator.page_size,
+        runner.req_to_token_pool.num_free_rows,
+    )
     prompts = probe_prompts(model.get_input_embeddings().num_embeddings, _special_ids(model), lengths)
     with attention_implementation(model, own_attention(model)):
         references = hf_references(hf, prompts, family)
@@ -59,8 +65,11 @@ def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFF
     if reason is None:
         return None
     log = logger.info if reason == FORCED_REASON else logger.warning
-    log("%s runs on nnrun's exact path (one HF forward per request, with HF's own cache; slower than packed): %s",
-        family, reason)
+    log(
+        "%s runs on nnrun's exact path (one HF forward per request, with HF's own cache; slower than packed): %s",
+        family,
+        reason,
+    )
     hf.caches.clear()
     hf.reason = reason
     set_attention(model, own_attention(model))  # from now on the model runs as HF runs it
@@ -81,8 +90,9 @@ def _special_ids(model: torch.nn.Module) -> set[int]:
 
 def _shortest_window(runner: "ModelRunner") -> int | None:
     """The shortest sliding window or attention chunk, so a probe prompt can cross it."""
-    windows = [size for layer in runner.layers
-               for size in (layer.sliding_window, getattr(layer, "chunk_size", None)) if size]
+    windows = [
+        size for layer in runner.layers for size in (layer.sliding_window, getattr(layer, "chunk_size", None)) if size
+    ]
     for config in (runner.model.config, getattr(runner.model.config, "text_config", None)):
         chunk = getattr(config, "attention_chunk_size", None) if config is not None else None
         if isinstance(chunk, int) and chunk > 0:

@@ -62,8 +62,9 @@ def differs(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> float 
     return error if not error <= rtol else None  # a NaN counts as differing
 
 
-def probe_lengths(window: int | None, max_len: int, num_slots: int, page_size: int,
-                  max_prompts: int = len(PROBE_LENGTHS)) -> list[int]:
+def probe_lengths(
+    window: int | None, max_len: int, num_slots: int, page_size: int, max_prompts: int = len(PROBE_LENGTHS)
+) -> list[int]:
     """The probe prompts' lengths: one crosses a short window if there is one; all fit the context and the KV pool.
 
     Each prompt needs room for its decode token; prompts are dropped from the end (to `max_prompts`,
@@ -135,11 +136,13 @@ def _references(hf: HFForward, prompts: list[ProbePrompt]) -> list[Reference]:
 def _refusal(family: str, prompts: list[ProbePrompt], error: BaseException) -> ModelRefusedError:
     return ModelRefusedError(
         f"{family}: the model's own HF forward fails on a plain {len(prompts[0].token_ids)}-token prompt, so "
-        f"nnrun cannot run it ({type(error).__name__}: {error})")
+        f"nnrun cannot run it ({type(error).__name__}: {error})"
+    )
 
 
-def packed_path_difference(runner: "ModelRunner", prompts: list[ProbePrompt],
-                           references: list[Reference]) -> str | None:
+def packed_path_difference(
+    runner: "ModelRunner", prompts: list[ProbePrompt], references: list[Reference]
+) -> str | None:
     """What differs between the packed path and HF on the probe prompts, or None if nothing does."""
     rtol = relative_tolerance(runner.dtype)
     try:
@@ -147,22 +150,30 @@ def packed_path_difference(runner: "ModelRunner", prompts: list[ProbePrompt],
     except Exception as error:  # a packed step that fails is a packed path that cannot serve this model
         return f"the packed forward fails ({type(error).__name__}: {error})"
     for prompt, reference, prefill, decode in zip(prompts, references, prefills, decodes):
-        error = differs(prefill, reference.prefill[-prefill.shape[0]:], rtol)
+        error = differs(prefill, reference.prefill[-prefill.shape[0] :], rtol)
         if error is not None:
             alone = _run_packed(runner, [prompt], with_decode=False, last_only=prefill.shape[0] == 1)[0][0]
-            where = ("even alone" if differs(alone, reference.prefill[-alone.shape[0]:], rtol) is not None
-                     else "only when packed with other prompts")
-            return (f"the prefill logits of a {len(prompt.token_ids)}-token prompt differ from HF's by {error:.2g} "
-                    f"of their magnitude, {where}")
+            where = (
+                "even alone"
+                if differs(alone, reference.prefill[-alone.shape[0] :], rtol) is not None
+                else "only when packed with other prompts"
+            )
+            return (
+                f"the prefill logits of a {len(prompt.token_ids)}-token prompt differ from HF's by {error:.2g} "
+                f"of their magnitude, {where}"
+            )
         error = differs(decode, reference.decode, rtol)
         if error is not None:
-            return (f"the decode-step logits after a {len(prompt.token_ids)}-token prompt differ from HF's "
-                    f"(with HF's own cache) by {error:.2g} of their magnitude")
+            return (
+                f"the decode-step logits after a {len(prompt.token_ids)}-token prompt differ from HF's "
+                f"(with HF's own cache) by {error:.2g} of their magnitude"
+            )
     return None
 
 
-def _run_packed(runner: "ModelRunner", prompts: list[ProbePrompt], with_decode: bool = True,
-                last_only: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _run_packed(
+    runner: "ModelRunner", prompts: list[ProbePrompt], with_decode: bool = True, last_only: bool = False
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per prompt: packed prefill logits and (with_decode) the packed decode step's `[V]`.
 
     The second of several prompts keeps only its last position's logits (`[1, V]`), as a generation
@@ -171,8 +182,13 @@ def _run_packed(runner: "ModelRunner", prompts: list[ProbePrompt], with_decode: 
     prefills: list[torch.Tensor] = []
     decodes: list[torch.Tensor] = []
     with runner.step_lock, runner._transient_requests([p.token_ids for p in prompts]) as reqs:
-        forward_batch = packed_forward_batch(reqs, ForwardMode.EXTEND, runner.req_to_token_pool.req_to_token,
-                                             runner.allocator.page_size, [not last_only and (len(reqs) == 1 or row != 1) for row in range(len(reqs))])
+        forward_batch = packed_forward_batch(
+            reqs,
+            ForwardMode.EXTEND,
+            runner.req_to_token_pool.req_to_token,
+            runner.allocator.page_size,
+            [not last_only and (len(reqs) == 1 or row != 1) for row in range(len(reqs))],
+        )
         output = runner.packed_step(forward_batch)
         for row, prompt_logits in enumerate(output.prompt_logits or [None] * len(reqs)):
             last = output.next_token_logits[row : row + 1]  # [1, V]

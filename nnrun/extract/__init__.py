@@ -6,9 +6,9 @@ import sys
 import types
 from typing import Any
 
+from nnrun.extract.executors import ExtractionExecutor, ExtractionRequest, LocalExecutor, extract
 from nnrun.extract.hooks import ModuleSpec, resolve_modules
 from nnrun.extract.inputs import InputError, PromptRecord, PromptSource, open_prompts
-from nnrun.extract.executors import ExtractionExecutor, ExtractionRequest, LocalExecutor, extract
 from nnrun.extract.job import DEFAULT_SHARD_TOKENS, ExtractionOptions
 from nnrun.extract.manifest import Manifest, SettingsMismatchError
 from nnrun.extract.progress import ExtractionSummary
@@ -33,9 +33,26 @@ class _CallableModule(types.ModuleType):
 sys.modules[__name__].__class__ = _CallableModule
 
 __all__ = [
-    "DEFAULT_SHARD_TOKENS", "ActivationStore", "DamagedFolderError", "ExtractionExecutor", "ExtractionOptions",
-    "ExtractionRequest", "ExtractionSummary", "LocalExecutor",
-    "FolderRepairWarning", "InputError", "Manifest", "ModuleSpec", "PromptActivations", "PromptRecord", "PromptSource",
-    "SettingsMismatchError", "ShardWriteError", "TokenActivationStream", "extract", "load_activations", "open_prompts",
+    "DEFAULT_SHARD_TOKENS",
+    "ActivationStore",
+    "DamagedFolderError",
+    "ExtractionExecutor",
+    "ExtractionOptions",
+    "ExtractionRequest",
+    "ExtractionSummary",
+    "LocalExecutor",
+    "FolderRepairWarning",
+    "InputError",
+    "Manifest",
+    "ModuleSpec",
+    "PromptActivations",
+    "PromptRecord",
+    "PromptSource",
+    "SettingsMismatchError",
+    "ShardWriteError",
+    "TokenActivationStream",
+    "extract",
+    "load_activations",
+    "open_prompts",
     "resolve_modules",
 ]

@@ -13,44 +13,84 @@ _DTYPES = ("float32", "float16", "bfloat16")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare `nnrun extract`'s options: a job (--out with --model, --input, --module) or --verify DIR."""
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--out", help="output folder (created; an existing one is resumed, or extended when "
-                                    "items were appended to its input)")
-    mode.add_argument("--verify", metavar="DIR", help="check every file of an extraction folder against its "
-                                                     "manifest (sizes, sha256, offsets) and exit; no job runs")
+    mode.add_argument(
+        "--out",
+        help="output folder (created; an existing one is resumed, or extended when items were appended to its input)",
+    )
+    mode.add_argument(
+        "--verify",
+        metavar="DIR",
+        help="check every file of an extraction folder against its "
+        "manifest (sizes, sha256, offsets) and exit; no job runs",
+    )
     parser.add_argument("--model", help="checkpoint folder, hub id or bundled name (e.g. tiny-facts); needs --out")
     parser.add_argument("--input", help="prompts: .txt (one a line), .jsonl, .parquet, or a saved HF dataset folder")
-    parser.add_argument("--module", action="extend", nargs="+", dest="modules", metavar="PATH",
-                        help="HF module path, e.g. model.layers.6 or model.layers.6.mlp.input (repeatable)")
-    parser.add_argument("--positions", choices=("all", "last"), default="all",
-                        help="store every token (default) or only each prompt's last")
+    parser.add_argument(
+        "--module",
+        action="extend",
+        nargs="+",
+        dest="modules",
+        metavar="PATH",
+        help="HF module path, e.g. model.layers.6 or model.layers.6.mlp.input (repeatable)",
+    )
+    parser.add_argument(
+        "--positions",
+        choices=("all", "last"),
+        default="all",
+        help="store every token (default) or only each prompt's last",
+    )
     parser.add_argument("--dtype", choices=_DTYPES, default=None, help="stored dtype (default: the model's)")
     parser.add_argument("--max-length", type=int, default=None, help="longest prompt in tokens")
     parser.add_argument("--truncate", action="store_true", help="cut prompts longer than --max-length")
     parser.add_argument("--text-field", default="text", help="text field of .jsonl/.parquet/dataset records")
     parser.add_argument("--limit", type=int, default=None, help="read at most N input items")
-    parser.add_argument("--on-error", choices=("stop", "skip"), default="stop",
-                        help="stop at the first bad item (default), or skip it and record it in the manifest")
+    parser.add_argument(
+        "--on-error",
+        choices=("stop", "skip"),
+        default="stop",
+        help="stop at the first bad item (default), or skip it and record it in the manifest",
+    )
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="prompt tokens per shard")
     parser.add_argument("--no-resume", action="store_true", help="refuse to continue an existing output folder")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--device", default="cpu")
     engine.add_argument("--model-dtype", choices=_DTYPES, default=None, help="compute dtype (default: auto)")
-    engine.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
-                        help="dummy: random weights from the model's config")
+    engine.add_argument(
+        "--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights from the model's config"
+    )
     engine.add_argument("--batch-tokens", type=int, default=None, help="tokens per forward (max_num_batched_tokens)")
-    engine.add_argument("--forward-path", choices=("auto", "exact"), default="auto",
-                        help="exact: every prompt through the model's own HF forward (auto: only when the load-time "
-                             "probe finds the packed path differs from it)")
+    engine.add_argument(
+        "--forward-path",
+        choices=("auto", "exact"),
+        default="auto",
+        help="exact: every prompt through the model's own HF forward (auto: only when the load-time "
+        "probe finds the packed path differs from it)",
+    )
     scale = parser.add_argument_group("many engines (Ray; pip install 'nnrun[distributed]')")
-    scale.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
-                       help="run the job on Ray engines: the cluster at ADDRESS, else $RAY_ADDRESS, else a new local "
-                            "one; the folder is byte-identical to a single-process run")
-    scale.add_argument("--engines", type=int, default=None, metavar="N",
-                       help="engine actors with --ray (one GPU each where the cluster has GPUs; default 1)")
-    scale.add_argument("--verbose", "-v", action="store_true",
-                       help="with --ray: a progress line per engine (tokens, tokens/s, ranges, restarts), moved as "
-                            "its forwards finish, and each engine's exact count at the end")
+    scale.add_argument(
+        "--ray",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="ADDRESS",
+        help="run the job on Ray engines: the cluster at ADDRESS, else $RAY_ADDRESS, else a new local "
+        "one; the folder is byte-identical to a single-process run",
+    )
+    scale.add_argument(
+        "--engines",
+        type=int,
+        default=None,
+        metavar="N",
+        help="engine actors with --ray (one GPU each where the cluster has GPUs; default 1)",
+    )
+    scale.add_argument(
+        "--verbose",
+        "-v",
+        action="store_true",
+        help="with --ray: a progress line per engine (tokens, tokens/s, ranges, restarts), moved as "
+        "its forwards finish, and each engine's exact count at the end",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,8 +126,10 @@ def verify(out_dir: str, quiet: bool = False) -> int:
         return 1
     if not quiet:
         state = "complete" if store.is_complete else "incomplete (a job can resume it)"
-        print(f"{out_dir}: intact: {store.num_shards} shards, {len(store)} prompts, {store.num_tokens} tokens, "
-              f"{len(store.skipped)} skipped items; {state}")
+        print(
+            f"{out_dir}: intact: {store.num_shards} shards, {len(store)} prompts, {store.num_tokens} tokens, "
+            f"{len(store.skipped)} skipped items; {state}"
+        )
     return 0
 
 
@@ -99,16 +141,32 @@ def _usage_error(message: str) -> int:
 def _run_job(args: argparse.Namespace) -> int:
     from nnrun.extract.executors import extract
 
-    llm_kwargs = {"device": args.device, "dtype": args.model_dtype, "load_format": args.load_format,
-                  "forward_path": args.forward_path}
+    llm_kwargs = {
+        "device": args.device,
+        "dtype": args.model_dtype,
+        "load_format": args.load_format,
+        "forward_path": args.forward_path,
+    }
     if args.batch_tokens is not None:
         llm_kwargs["max_num_batched_tokens"] = args.batch_tokens
     try:
         summary = extract(
-            args.model, args.input, args.modules, args.out, positions=args.positions, dtype=args.dtype,
-            max_length=args.max_length, truncate=args.truncate, on_error=args.on_error, text_field=args.text_field,
-            limit=args.limit, shard_tokens=args.shard_tokens, resume=not args.no_resume, progress=not args.quiet,
-            llm_kwargs=llm_kwargs, **_executor_options(args),
+            args.model,
+            args.input,
+            args.modules,
+            args.out,
+            positions=args.positions,
+            dtype=args.dtype,
+            max_length=args.max_length,
+            truncate=args.truncate,
+            on_error=args.on_error,
+            text_field=args.text_field,
+            limit=args.limit,
+            shard_tokens=args.shard_tokens,
+            resume=not args.no_resume,
+            progress=not args.quiet,
+            llm_kwargs=llm_kwargs,
+            **_executor_options(args),
         )
     except (ValueError, OSError) as error:  # InputError, SettingsMismatchError, DamagedFolderError, ShardWriteError
         print(f"nnrun extract: error: {error}", file=sys.stderr)

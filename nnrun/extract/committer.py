@@ -93,8 +93,9 @@ class ShardCommitter:
             shard, buffer = len(manifest.shards), commit.buffer
             info = write_shard(self.out_dir, shard, buffer)
             offset = token_offset = 0
-            for index, num_tokens, num_rows in zip(buffer.prompt_index, buffer.prompt_num_tokens,
-                                                   buffer.num_rows_per_prompt):
+            for index, num_tokens, num_rows in zip(
+                buffer.prompt_index, buffer.prompt_num_tokens, buffer.num_rows_per_prompt
+            ):
                 manifest.add_prompt(index, num_tokens, shard, offset, token_offset)
                 offset += num_rows
                 token_offset += num_tokens
@@ -111,6 +112,7 @@ class ShardCommitter:
             self.manifest.save(self.out_dir)
         except OSError as error:
             raise ShardWriteError(
-                error.errno, f"could not update {self.out_dir / 'manifest.json'} ({error.strerror or error}); "
-                "the shards it lists are complete: fix the cause and re-run the same command to resume"
+                error.errno,
+                f"could not update {self.out_dir / 'manifest.json'} ({error.strerror or error}); "
+                "the shards it lists are complete: fix the cause and re-run the same command to resume",
             ) from error

@@ -50,8 +50,7 @@ class LocalExecutor:
                 llm.shutdown()
 
 
-def as_executor(executor: Any, num_engines: int | None, ray_address: str | None,
-                verbose: bool) -> ExtractionExecutor:
+def as_executor(executor: Any, num_engines: int | None, ray_address: str | None, verbose: bool) -> ExtractionExecutor:
     """The executor `extract`'s `executor=` names: "local", "ray", a RayExecutor, or any object with `run`."""
     if isinstance(executor, str) and executor == "local":
         if num_engines is not None or ray_address is not None or verbose:
@@ -66,12 +65,29 @@ def as_executor(executor: Any, num_engines: int | None, ray_address: str | None,
     return ray_runner(executor, num_engines, ray_address, verbose)
 
 
-def extract(model: Any, prompts: Any, modules: list[str] | str, out_dir: str | Path, *, tokenizer: Any = None,
-            positions: str = "all", dtype: str | torch.dtype | None = None, max_length: int | None = None,
-            truncate: bool = False, on_error: str = "stop", text_field: str = "text", limit: int | None = None,
-            shard_tokens: int = DEFAULT_SHARD_TOKENS, resume: bool = True, progress: bool = True,
-            llm_kwargs: dict[str, Any] | None = None, executor: Any = "local", num_engines: int | None = None,
-            ray_address: str | None = None, verbose: bool = False) -> ExtractionSummary:
+def extract(
+    model: Any,
+    prompts: Any,
+    modules: list[str] | str,
+    out_dir: str | Path,
+    *,
+    tokenizer: Any = None,
+    positions: str = "all",
+    dtype: str | torch.dtype | None = None,
+    max_length: int | None = None,
+    truncate: bool = False,
+    on_error: str = "stop",
+    text_field: str = "text",
+    limit: int | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    resume: bool = True,
+    progress: bool = True,
+    llm_kwargs: dict[str, Any] | None = None,
+    executor: Any = "local",
+    num_engines: int | None = None,
+    ray_address: str | None = None,
+    verbose: bool = False,
+) -> ExtractionSummary:
     """Extract `modules`' values for every prompt into shards under `out_dir`; see `load_activations`.
 
     `model`: an `nnrun.LLM`, or anything `nnrun.LLM` accepts (built with `tokenizer` and

@@ -20,15 +20,19 @@ def open_folder(out_dir: Path, settings: dict[str, Any], model_info: dict[str, A
     if manifest is None:
         others = sorted(p.name for p in out_dir.iterdir() if not _is_uncommitted(p))
         if others:
-            raise ValueError(f"{out_dir} is not empty ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}) "
-                             "and holds no extraction; choose a new or empty folder")
+            raise ValueError(
+                f"{out_dir} is not empty ({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}) "
+                "and holds no extraction; choose a new or empty folder"
+            )
         manifest = Manifest(settings=settings, model=model_info)
         remove_uncommitted(out_dir, manifest)
         manifest.save(out_dir)
         return manifest
     if not resume:
-        raise FileExistsError(f"{out_dir} already holds an extraction; pass resume=True (CLI: leave out "
-                              "--no-resume) to continue it, or choose another folder")
+        raise FileExistsError(
+            f"{out_dir} already holds an extraction; pass resume=True (CLI: leave out "
+            "--no-resume) to continue it, or choose another folder"
+        )
     diffs = settings_diff(manifest.settings, settings)
     if diffs:
         raise SettingsMismatchError(
@@ -50,4 +54,3 @@ def remove_uncommitted(out_dir: Path, manifest: Manifest) -> None:
 def _is_uncommitted(path: Path) -> bool:
     # Never the manifest itself: it is only ever replaced whole, so the folder always has one.
     return path.name.endswith(".tmp") or path.match(_SHARD_GLOB)
-

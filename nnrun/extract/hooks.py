@@ -84,8 +84,9 @@ class ActivationCapture:
     threads: an engine step serving other requests meanwhile is not ours.
     """
 
-    def __init__(self, model: torch.nn.Module, specs: list[ModuleSpec], dtype: torch.dtype,
-                 stop_early: bool = False) -> None:
+    def __init__(
+        self, model: torch.nn.Module, specs: list[ModuleSpec], dtype: torch.dtype, stop_early: bool = False
+    ) -> None:
         self.model = model
         self.specs = specs
         self.dtype = dtype
@@ -124,6 +125,7 @@ class ActivationCapture:
     def _output_hook(self, spec: ModuleSpec):
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             self._keep(spec, output)
+
         return hook
 
     def _input_hook(self, spec: ModuleSpec):
@@ -131,6 +133,7 @@ class ActivationCapture:
             # nnsight's `.input`: the first positional argument, else the first keyword argument.
             value = args[0] if args else next(iter(kwargs.values()), None)
             self._keep(spec, value)
+
         return hook
 
     def take(self, num_tokens: int) -> dict[str, torch.Tensor]:
@@ -140,8 +143,10 @@ class ActivationCapture:
             kept = self._values[spec.name]
             if len(kept) != 1 or kept[0].shape[0] != num_tokens:
                 shapes = [tuple(t.shape) for t in kept]
-                raise RuntimeError(f"{spec.name}: expected one value of {num_tokens} tokens from the forward, "
-                                   f"got {shapes} (is the module called more than once per forward?)")
+                raise RuntimeError(
+                    f"{spec.name}: expected one value of {num_tokens} tokens from the forward, "
+                    f"got {shapes} (is the module called more than once per forward?)"
+                )
             values[spec.name] = kept[0]
             kept.clear()
         return values

@@ -97,8 +97,10 @@ def _unicode_problem(text: str) -> str | None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        return (f"the text holds a lone surrogate {text[error.start]!r} at character {error.start}, "
-                "which is not valid Unicode (it has no UTF-8 encoding)")
+        return (
+            f"the text holds a lone surrogate {text[error.start]!r} at character {error.start}, "
+            "which is not valid Unicode (it has no UTF-8 encoding)"
+        )
     return None
 
 
@@ -111,26 +113,32 @@ def open_prompts(prompts: Any, *, text_field: str = "text", limit: int | None = 
     if not isinstance(prompts, Iterable):
         raise TypeError(f"prompts must be an iterable of prompts or a path, got {type(prompts).__name__}")
     num_items = len(prompts) if hasattr(prompts, "__len__") else None
-    return PromptSource("iterable", "prompts", text_field, limit, lambda: _iterable_records(prompts, text_field),
-                        num_items)
+    return PromptSource(
+        "iterable", "prompts", text_field, limit, lambda: _iterable_records(prompts, text_field), num_items
+    )
 
 
 def _open_path(path: Path, text_field: str, limit: int | None) -> PromptSource:
     if not path.exists():
-        raise InputError(f"input {str(path)!r} does not exist (prompts are a list of strings or token id "
-                         "lists, or the path of a file or dataset folder)")
+        raise InputError(
+            f"input {str(path)!r} does not exist (prompts are a list of strings or token id "
+            "lists, or the path of a file or dataset folder)"
+        )
     if path.is_dir():
         return _open_dataset(path, text_field, limit)
     suffix = path.suffix.lower()
     if suffix == ".txt":
         return PromptSource("txt", path.name, text_field, limit, lambda: _txt_records(path), _count_lines(path))
     if suffix == ".jsonl":
-        return PromptSource("jsonl", path.name, text_field, limit, lambda: _jsonl_records(path, text_field),
-                            _count_lines(path))
+        return PromptSource(
+            "jsonl", path.name, text_field, limit, lambda: _jsonl_records(path, text_field), _count_lines(path)
+        )
     if suffix == ".parquet":
         return _open_parquet(path, text_field, limit)
-    raise InputError(f"input {path.name!r}: unknown format {suffix or '(none)'!r}; "
-                     "use .txt, .jsonl, .parquet or a saved HF dataset folder")
+    raise InputError(
+        f"input {path.name!r}: unknown format {suffix or '(none)'!r}; "
+        "use .txt, .jsonl, .parquet or a saved HF dataset folder"
+    )
 
 
 def _iterable_records(prompts: Iterable[Any], text_field: str) -> Iterator[PromptRecord]:
@@ -226,5 +234,6 @@ def _open_dataset(path: Path, text_field: str, limit: int | None) -> PromptSourc
 def _check_column(name: str, text_field: str, columns: list[str]) -> None:
     # A missing column is wrong for every record at once, so it is an error of the whole input.
     if text_field not in columns:
-        raise InputError(f"{name}: missing text field {text_field!r} (columns: {', '.join(columns)}); "
-                         "choose one with --text-field")
+        raise InputError(
+            f"{name}: missing text field {text_field!r} (columns: {', '.join(columns)}); choose one with --text-field"
+        )

@@ -19,8 +19,7 @@ import torch
 from nnrun.config import resolve_dtype
 from nnrun.extract.committer import ShardCommit, ShardCommitter
 from nnrun.extract.folder import open_folder
-from nnrun.extract.hooks import (ActivationCapture, ModuleSpec, StopForward, gather_rows, packed_starts,
-                                 resolve_modules)
+from nnrun.extract.hooks import ActivationCapture, ModuleSpec, StopForward, gather_rows, packed_starts, resolve_modules
 from nnrun.extract.identity import config_hash, tokenizer_hash, weights_hash
 from nnrun.extract.inputs import InputError, PromptSource
 from nnrun.extract.manifest import Manifest
@@ -67,7 +66,9 @@ def as_llm(model: Any, tokenizer: Any, llm_kwargs: dict[str, Any] | None, progre
 
     if isinstance(model, LLM):
         if tokenizer is not None or llm_kwargs:
-            raise ValueError("tokenizer and llm_kwargs apply when extract builds the LLM; pass them to nnrun.LLM instead")
+            raise ValueError(
+                "tokenizer and llm_kwargs apply when extract builds the LLM; pass them to nnrun.LLM instead"
+            )
         return model, False
     is_bar_enabled = hf_logging.is_progress_bar_enabled()
     if not progress:
@@ -82,8 +83,9 @@ def as_llm(model: Any, tokenizer: Any, llm_kwargs: dict[str, Any] | None, progre
 class ExtractionJob:
     """One call of `extract` on a built engine."""
 
-    def __init__(self, llm: Any, source: PromptSource, modules: list[str] | str, out_dir: Path,
-                 options: ExtractionOptions) -> None:
+    def __init__(
+        self, llm: Any, source: PromptSource, modules: list[str] | str, out_dir: Path, options: ExtractionOptions
+    ) -> None:
         self.llm = llm
         self.runner = llm.runner
         self.source = source
@@ -106,8 +108,12 @@ class ExtractionJob:
         """Everything that shapes the stored bytes; a resume must match it exactly."""
         weights_sha256, weights_mode = weights_hash(self.llm.model)
         settings = {
-            "model": {"config_sha256": config_hash(self.llm.model), "weights_sha256": weights_sha256,
-                      "weights_hash": weights_mode, "dtype": str(self.runner.dtype).removeprefix("torch.")},
+            "model": {
+                "config_sha256": config_hash(self.llm.model),
+                "weights_sha256": weights_sha256,
+                "weights_hash": weights_mode,
+                "dtype": str(self.runner.dtype).removeprefix("torch."),
+            },
             "tokenizer_sha256": tokenizer_hash(self.llm.tokenizer),
             "modules": [spec.name for spec in self.specs],
             "positions": self.options.positions,
@@ -128,8 +134,7 @@ class ExtractionJob:
         return {"name": str(name), "class": type(self.llm.model).__name__, "device": str(self.runner.device)}
 
     def run(self) -> ExtractionSummary:
-        return run_in_folder(self.out_dir, self.settings(), self.model_info(), self.source, self.options,
-                             self._extract)
+        return run_in_folder(self.out_dir, self.settings(), self.model_info(), self.source, self.options, self._extract)
 
     def _extract(self, manifest: Manifest, records: HashedRecords, progress: Progress) -> None:
         """Extract the input from `records` (positioned at `manifest.num_consumed`) to its end."""
@@ -188,16 +193,24 @@ def stop_error(plan: ShardPlan, on_error: str) -> InputError | None:
     """The error that ends the job at this plan's first bad item under on_error="stop"; None to go on."""
     if not plan.skipped or on_error != "stop":
         return None
-    return InputError(f"{plan.skipped[0].message()}. Stopped before writing anything after the last complete shard; "
-                      "fix the input, or pass on_error='skip' (CLI: --on-error skip) to leave such items out")
+    return InputError(
+        f"{plan.skipped[0].message()}. Stopped before writing anything after the last complete shard; "
+        "fix the input, or pass on_error='skip' (CLI: --on-error skip) to leave such items out"
+    )
 
 
 ExtractRest = Callable[[Manifest, HashedRecords, Progress], None]
 
 
-def run_in_folder(out_dir: Path, settings: dict[str, Any], model_info: dict[str, Any], source: PromptSource,
-                  options: ExtractionOptions, extract_rest: ExtractRest,
-                  make_progress: Callable[..., Progress] = Progress) -> ExtractionSummary:
+def run_in_folder(
+    out_dir: Path,
+    settings: dict[str, Any],
+    model_info: dict[str, Any],
+    source: PromptSource,
+    options: ExtractionOptions,
+    extract_rest: ExtractRest,
+    make_progress: Callable[..., Progress] = Progress,
+) -> ExtractionSummary:
     """Open the folder (new or resumed), let `extract_rest` extract the input from where it stands, summarize.
 
     The seam between a job and where its forwards run: this process (ExtractionJob) or many
@@ -212,10 +225,16 @@ def run_in_folder(out_dir: Path, settings: dict[str, Any], model_info: dict[str,
         if records is not None:
             extract_rest(manifest, records, progress)
         summary = ExtractionSummary(
-            out_dir=str(out_dir), num_prompts=manifest.num_prompts, num_tokens=manifest.num_tokens,
-            num_skipped=len(manifest.skipped), num_shards=len(manifest.shards), num_resumed_shards=num_resumed,
-            num_new_prompts=progress.num_prompts, num_new_tokens=progress.num_tokens,
-            elapsed_s=progress.elapsed_s, is_complete=manifest.is_complete,
+            out_dir=str(out_dir),
+            num_prompts=manifest.num_prompts,
+            num_tokens=manifest.num_tokens,
+            num_skipped=len(manifest.skipped),
+            num_shards=len(manifest.shards),
+            num_resumed_shards=num_resumed,
+            num_new_prompts=progress.num_prompts,
+            num_new_tokens=progress.num_tokens,
+            elapsed_s=progress.elapsed_s,
+            is_complete=manifest.is_complete,
         )
     finally:
         progress.close(summary)

@@ -100,8 +100,9 @@ class Manifest:
         """Deterministic JSON: one top-level key per line, sorted, values compact."""
         data = asdict(self)
         data["format"] = FORMAT
-        lines = [f"{json.dumps(key)}: {json.dumps(data[key], sort_keys=True, separators=(',', ':'))}"
-                 for key in sorted(data)]
+        lines = [
+            f"{json.dumps(key)}: {json.dumps(data[key], sort_keys=True, separators=(',', ':'))}" for key in sorted(data)
+        ]
         return "{\n" + ",\n".join(lines) + "\n}\n"
 
     @classmethod

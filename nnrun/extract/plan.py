@@ -31,8 +31,7 @@ class ShardPlan:
         return sum(p.num_tokens for p in self.prompts)
 
 
-def plan_shards(items: Iterable[PreparedPrompt | SkippedPrompt], shard_tokens: int,
-                start: int) -> Iterator[ShardPlan]:
+def plan_shards(items: Iterable[PreparedPrompt | SkippedPrompt], shard_tokens: int, start: int) -> Iterator[ShardPlan]:
     """Group prompts into shards of at most `shard_tokens` tokens (a longer prompt gets a shard alone).
 
     The last plan may hold only skipped items, or nothing at all.
@@ -55,8 +54,9 @@ def plan_shards(items: Iterable[PreparedPrompt | SkippedPrompt], shard_tokens: i
     yield plan
 
 
-def forward_batches(prompts: list[PreparedPrompt], max_tokens: int, max_prompts: int,
-                    page_size: int = 1) -> Iterator[list[PreparedPrompt]]:
+def forward_batches(
+    prompts: list[PreparedPrompt], max_tokens: int, max_prompts: int, page_size: int = 1
+) -> Iterator[list[PreparedPrompt]]:
     """Consecutive prompts under a token and a count budget (a longer prompt runs alone).
 
     A prompt counts as its KV footprint, whole pages (`ceil(n / page_size) * page_size`), so a

@@ -54,8 +54,9 @@ class LengthPolicy:
             raise ValueError(f"max_length must be positive, got {self.max_length}")
 
 
-def prepare_prompts(records: Iterable[PromptRecord], tokenizer: Any, vocab_size: int,
-                    policy: LengthPolicy) -> Iterator[PreparedPrompt | SkippedPrompt]:
+def prepare_prompts(
+    records: Iterable[PromptRecord], tokenizer: Any, vocab_size: int, policy: LengthPolicy
+) -> Iterator[PreparedPrompt | SkippedPrompt]:
     """Yield one PreparedPrompt or SkippedPrompt per record, in input order."""
     records = iter(records)
     while chunk := list(itertools.islice(records, _TOKENIZE_CHUNK)):
@@ -92,8 +93,9 @@ def _tokenize_one(text: str, tokenizer: Any) -> list[int] | str:
         return f"the tokenizer failed: {message}"
 
 
-def _check(record: PromptRecord, token_ids: list[int] | str | None, vocab_size: int,
-           policy: LengthPolicy) -> PreparedPrompt | SkippedPrompt:
+def _check(
+    record: PromptRecord, token_ids: list[int] | str | None, vocab_size: int, policy: LengthPolicy
+) -> PreparedPrompt | SkippedPrompt:
     def skip(reason: str) -> SkippedPrompt:
         return SkippedPrompt(record.index, record.location, reason, record.line)
 
@@ -111,5 +113,7 @@ def _check(record: PromptRecord, token_ids: list[int] | str | None, vocab_size: 
     if policy.truncate:
         return PreparedPrompt(record.index, token_ids[: policy.max_length], is_truncated=True)
     limit = "max_length" if policy.is_user_limit else "the model's context length"
-    return skip(f"the prompt has {len(token_ids)} tokens, more than {limit} {policy.max_length} "
-                "(pass truncate=True / --truncate to cut it)")
+    return skip(
+        f"the prompt has {len(token_ids)} tokens, more than {limit} {policy.max_length} "
+        "(pass truncate=True / --truncate to cut it)"
+    )

@@ -35,14 +35,18 @@ class ExtractionSummary:
     def line(self) -> str:
         """The one-line summary printed at the end of a job."""
         if self.num_new_prompts == 0 and self.num_skipped == 0 and self.is_complete and self.num_resumed_shards:
-            return (f"nothing to do: {self.out_dir} is complete, {self.num_prompts} prompts, {self.num_tokens} tokens "
-                    f"in {self.num_shards} shards")
+            return (
+                f"nothing to do: {self.out_dir} is complete, {self.num_prompts} prompts, {self.num_tokens} tokens "
+                f"in {self.num_shards} shards"
+            )
         resumed = f", resumed after {self.num_resumed_shards} shards" if self.num_resumed_shards else ""
         skipped = f", {self.num_skipped} skipped" if self.num_skipped else ""
-        return (f"extracted {self.num_new_prompts} prompts ({self.num_new_tokens} tokens) in {self.elapsed_s:.1f} s: "
-                f"{self.prompts_per_s:.1f} prompts/s, {self.tokens_per_s:.0f} tokens/s{resumed}; "
-                f"{self.out_dir} holds {self.num_prompts} prompts, {self.num_tokens} tokens in "
-                f"{self.num_shards} shards{skipped}")
+        return (
+            f"extracted {self.num_new_prompts} prompts ({self.num_new_tokens} tokens) in {self.elapsed_s:.1f} s: "
+            f"{self.prompts_per_s:.1f} prompts/s, {self.tokens_per_s:.0f} tokens/s{resumed}; "
+            f"{self.out_dir} holds {self.num_prompts} prompts, {self.num_tokens} tokens in "
+            f"{self.num_shards} shards{skipped}"
+        )
 
 
 class Progress:
@@ -53,8 +57,11 @@ class Progress:
         self.start = time.perf_counter()
         self.num_prompts = 0
         self.num_tokens = 0
-        self._bar = tqdm(total=total, initial=initial, unit="prompt", desc="extract", file=sys.stderr,
-                         dynamic_ncols=True) if enabled else None
+        self._bar = (
+            tqdm(total=total, initial=initial, unit="prompt", desc="extract", file=sys.stderr, dynamic_ncols=True)
+            if enabled
+            else None
+        )
 
     @property
     def elapsed_s(self) -> float:

@@ -64,8 +64,7 @@ def _restart_index(manifest: Manifest, num_kept: int) -> int:
     return manifest.prompts["index"][num_rows - 1] + 1 if num_rows else 0
 
 
-def _read_input(out_dir: Path, manifest: Manifest, source: PromptSource,
-                start: int) -> tuple[HashedRecords, bool]:
+def _read_input(out_dir: Path, manifest: Manifest, source: PromptSource, start: int) -> tuple[HashedRecords, bool]:
     """The input from record `start` once its first `num_consumed` records proved to be the folder's; and
     whether any record follows those.
 
@@ -80,7 +79,8 @@ def _read_input(out_dir: Path, manifest: Manifest, source: PromptSource,
     replay = list(itertools.islice(records, manifest.num_consumed - start))
     _hash(hasher, replay)
     is_same = hasher.num_records == manifest.num_consumed and (
-        manifest.num_consumed == 0 or hasher.hexdigest() == manifest.input_sha256)
+        manifest.num_consumed == 0 or hasher.hexdigest() == manifest.input_sha256
+    )
     if not is_same:
         raise SettingsMismatchError(_other_input_message(out_dir, manifest, hasher.num_records))
     following = list(itertools.islice(records, 1))
@@ -94,14 +94,23 @@ def _hash(hasher: InputHasher, records: Iterator[PromptRecord] | list[PromptReco
 
 def _other_input_message(out_dir: Path, manifest: Manifest, num_read: int) -> str:
     num = manifest.num_consumed
-    what = (f"this input has only {num_read} items" if num_read < num else
-            f"the first {num} items of this input differ from them")
-    return (f"{out_dir} was made from {num} input items and {what}. A folder goes on only with the input it was "
-            "made from, or that input with items appended at its end (then the folder is extended). Re-run with "
-            f"that input, or extract into a new folder (CLI: a new --out folder), or delete {out_dir} first")
+    what = (
+        f"this input has only {num_read} items"
+        if num_read < num
+        else f"the first {num} items of this input differ from them"
+    )
+    return (
+        f"{out_dir} was made from {num} input items and {what}. A folder goes on only with the input it was "
+        "made from, or that input with items appended at its end (then the folder is extended). Re-run with "
+        f"that input, or extract into a new folder (CLI: a new --out folder), or delete {out_dir} first"
+    )
 
 
 def _warn_redo(out_dir: Path, manifest: Manifest, damage: list[Damage], num_kept: int) -> None:
     problems = "; ".join(d.message() for d in damage)
-    warnings.warn(f"{out_dir} is damaged: {problems}. Keeping its first {num_kept} of {len(manifest.shards)} "
-                  f"shards and redoing it from {shard_file_name(num_kept)} on", FolderRepairWarning, stacklevel=2)
+    warnings.warn(
+        f"{out_dir} is damaged: {problems}. Keeping its first {num_kept} of {len(manifest.shards)} "
+        f"shards and redoing it from {shard_file_name(num_kept)} on",
+        FolderRepairWarning,
+        stacklevel=2,
+    )

@@ -23,8 +23,15 @@ PROMPT_INDEX_KEY = "prompt_index"  # [num_prompts] int64: each prompt's index in
 PROMPT_NUM_TOKENS_KEY = "prompt_num_tokens"  # [num_prompts] int32
 
 _DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
     torch.bool: "BOOL",
 }
 
@@ -66,8 +73,13 @@ class ShardBuffer:
     def num_tokens(self) -> int:
         return sum(self.prompt_num_tokens)
 
-    def add(self, indices: list[int], token_id_lists: list[list[int]], rows: dict[str, torch.Tensor],
-            rows_per_prompt: list[int]) -> None:
+    def add(
+        self,
+        indices: list[int],
+        token_id_lists: list[list[int]],
+        rows: dict[str, torch.Tensor],
+        rows_per_prompt: list[int],
+    ) -> None:
         """Append one batch: its prompts in order and each module's rows for them, back to back."""
         if sorted(rows) != sorted(self.modules):
             raise ValueError(f"rows must hold exactly the modules {self.modules}, got {sorted(rows)}")
@@ -119,8 +131,9 @@ def write_shard(directory: Path, shard: int, buffer: ShardBuffer) -> ShardInfo:
     except OSError as error:
         tmp.unlink(missing_ok=True)
         raise ShardWriteError(
-            error.errno, f"could not write {path.name} ({error.strerror or error}); the {shard} shards "
-            "before it are complete: fix the cause and re-run the same command to resume"
+            error.errno,
+            f"could not write {path.name} ({error.strerror or error}); the {shard} shards "
+            "before it are complete: fix the cause and re-run the same command to resume",
         ) from error
     num_rows = sum(buffer.num_rows_per_prompt)
     return ShardInfo(path.name, buffer.num_prompts, buffer.num_tokens, num_rows, num_bytes, sha256)
@@ -136,8 +149,11 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> tuple[int
         if tensor.dtype not in _DTYPE_CODES:
             raise ValueError(f"tensor {name!r} has unsupported dtype {tensor.dtype}")
         size = tensor.numel() * tensor.element_size()
-        header[name] = {"dtype": _DTYPE_CODES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _DTYPE_CODES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     header_bytes = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     header_bytes += b" " * (-len(header_bytes) % 8)  # safetensors aligns the data to 8 bytes

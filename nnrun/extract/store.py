@@ -122,14 +122,21 @@ class ActivationStore:
         start = prompts["token_offset"][i]
         return self._shard(prompts["shard"][i]).get_slice(TOKEN_IDS_KEY)[start : start + prompts["num_tokens"][i]]
 
-    def tokens(self, module: str, *, shuffle: bool = False, seed: int = 0,
-               batch_size: int | None = None) -> TokenActivationStream:
+    def tokens(
+        self, module: str, *, shuffle: bool = False, seed: int = 0, batch_size: int | None = None
+    ) -> TokenActivationStream:
         """All rows of one module as a flat stream (a torch IterableDataset), optionally shuffled."""
         if module not in self.modules:
             raise KeyError(f"module {module!r} was not extracted; the store holds {self.modules}")
         files = [str(self.out_dir / shard.file) for shard in self.manifest.shards]
-        return TokenActivationStream(files, activation_key(module), shuffle=shuffle, seed=seed, batch_size=batch_size,
-                                     check_shard=self.check_shard if self.verify_on_read else None)
+        return TokenActivationStream(
+            files,
+            activation_key(module),
+            shuffle=shuffle,
+            seed=seed,
+            batch_size=batch_size,
+            check_shard=self.check_shard if self.verify_on_read else None,
+        )
 
     def check_shard(self, shard: int) -> None:
         """Raise DamagedFolderError unless the shard file has the manifest's size and sha256 (hashed once)."""
@@ -143,8 +150,10 @@ class ActivationStore:
         elif (size := path.stat().st_size) != info.num_bytes:
             problem = f"has {size} bytes, the manifest lists {info.num_bytes}"
         elif (sha256 := file_sha256(path)) != info.sha256:
-            problem = (f"has sha256 {sha256[:16]}..., the manifest lists {info.sha256[:16]}...: its bytes changed "
-                       "after it was written")
+            problem = (
+                f"has sha256 {sha256[:16]}..., the manifest lists {info.sha256[:16]}...: its bytes changed "
+                "after it was written"
+            )
         if problem is not None:
             raise DamagedFolderError(self.out_dir, [Damage(info.file, problem, shard)])
         self._verified.add(shard)
@@ -168,8 +177,10 @@ class ActivationStore:
 
     def __repr__(self) -> str:
         state = "complete" if self.is_complete else "incomplete"
-        return (f"ActivationStore({str(self.out_dir)!r}, {len(self)} prompts, {self.num_tokens} tokens, "
-                f"modules={self.modules}, positions={self.positions!r}, {state})")
+        return (
+            f"ActivationStore({str(self.out_dir)!r}, {len(self)} prompts, {self.num_tokens} tokens, "
+            f"modules={self.modules}, positions={self.positions!r}, {state})"
+        )
 
 
 class PromptActivations(Mapping):

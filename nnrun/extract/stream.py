@@ -18,8 +18,16 @@ class TokenActivationStream(IterableDataset):
     `seed + epoch`. Call `set_epoch` between epochs for a new order.
     """
 
-    def __init__(self, files: list[str], key: str, *, shuffle: bool = False, seed: int = 0,
-                 batch_size: int | None = None, check_shard: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        files: list[str],
+        key: str,
+        *,
+        shuffle: bool = False,
+        seed: int = 0,
+        batch_size: int | None = None,
+        check_shard: Callable[[int], None] | None = None,
+    ) -> None:
         if batch_size is not None and batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         self.files = list(files)
@@ -44,7 +52,9 @@ class TokenActivationStream(IterableDataset):
     def _rows(self) -> Iterator[torch.Tensor]:
         """Each assigned shard's rows `[R, *shape]`, permuted when shuffling."""
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(len(self.files), generator=generator).tolist() if self.shuffle else range(len(self.files))
+        order = (
+            torch.randperm(len(self.files), generator=generator).tolist() if self.shuffle else range(len(self.files))
+        )
         worker = get_worker_info()
         mine = list(order)[worker.id :: worker.num_workers] if worker is not None else list(order)
         for shard in mine:

@@ -23,8 +23,14 @@ import torch
 from safetensors import safe_open
 
 from nnrun.extract.manifest import MANIFEST_NAME, Manifest
-from nnrun.extract.shards import (PROMPT_INDEX_KEY, PROMPT_NUM_TOKENS_KEY, TOKEN_IDS_KEY, activation_key, dtype_code,
-                                  shard_file_name)
+from nnrun.extract.shards import (
+    PROMPT_INDEX_KEY,
+    PROMPT_NUM_TOKENS_KEY,
+    TOKEN_IDS_KEY,
+    activation_key,
+    dtype_code,
+    shard_file_name,
+)
 
 _READ_BYTES = 8 << 20  # per read while hashing a shard
 
@@ -56,11 +62,15 @@ class DamagedFolderError(ValueError):
 def repair_advice(out_dir: Path, damage: list[Damage]) -> str:
     """What the user can do about `damage`."""
     if any(d.shard is None for d in damage):
-        return (f"The manifest cannot be trusted: extract into a new folder (CLI: a new --out folder), "
-                f"or delete {out_dir} and re-run")
+        return (
+            f"The manifest cannot be trusted: extract into a new folder (CLI: a new --out folder), "
+            f"or delete {out_dir} and re-run"
+        )
     first = shard_file_name(min(d.shard for d in damage))
-    return (f"Re-running the same extraction into it redoes {first} and the shards after it; "
-            "or extract into a new folder (CLI: a new --out folder)")
+    return (
+        f"Re-running the same extraction into it redoes {first} and the shards after it; "
+        "or extract into a new folder (CLI: a new --out folder)"
+    )
 
 
 def verify_folder(out_dir: Path, manifest: Manifest) -> None:
@@ -117,8 +127,10 @@ def _check_table(manifest: Manifest, shard: int, rows: list[int], last_index: in
     offset = token_offset = 0
     for row in rows:
         num_tokens = prompts["num_tokens"][row]
-        for column, value, expected in (("offset", prompts["offset"][row], offset),
-                                        ("token_offset", prompts["token_offset"][row], token_offset)):
+        for column, value, expected in (
+            ("offset", prompts["offset"][row], offset),
+            ("token_offset", prompts["token_offset"][row], token_offset),
+        ):
             if value != expected:
                 problems.append(f"prompt {row} in {name} has {column} {value}, expected {expected}")
         if prompts["index"][row] <= last_index:
@@ -128,8 +140,11 @@ def _check_table(manifest: Manifest, shard: int, rows: list[int], last_index: in
         last_index = prompts["index"][row]
         offset += num_tokens if is_all else 1
         token_offset += num_tokens
-    for what, listed, counted in (("prompts", info.num_prompts, len(rows)), ("tokens", info.num_tokens, token_offset),
-                                  ("rows", info.num_rows, offset)):
+    for what, listed, counted in (
+        ("prompts", info.num_prompts, len(rows)),
+        ("tokens", info.num_tokens, token_offset),
+        ("rows", info.num_rows, offset),
+    ):
         if listed != counted:
             problems.append(f"the entry of {name} says {listed} {what}, its prompts add up to {counted}")
     return [Damage(MANIFEST_NAME, problem, shard) for problem in problems]
@@ -146,8 +161,14 @@ def _check_file(out_dir: Path, manifest: Manifest, shard: int, rows: list[int]) 
         return [Damage(info.file, f"has {size} bytes, the manifest lists {info.num_bytes}", shard)]
     sha256 = file_sha256(path)
     if sha256 != info.sha256:
-        return [Damage(info.file, f"has sha256 {sha256[:16]}..., the manifest lists {info.sha256[:16]}...: "
-                                  "its bytes changed after it was written", shard)]
+        return [
+            Damage(
+                info.file,
+                f"has sha256 {sha256[:16]}..., the manifest lists {info.sha256[:16]}...: "
+                "its bytes changed after it was written",
+                shard,
+            )
+        ]
     try:
         problems = _check_contents(path, manifest, shard, rows)
     except Exception as error:  # a header that safetensors cannot parse; the file is what the manifest hashed

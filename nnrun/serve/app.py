@@ -13,7 +13,6 @@ import sys
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.responses import JSONResponse
@@ -83,8 +82,13 @@ def create_app(config: ServeConfig, model: Any, drain: Drain | None = None) -> A
 
     app.include_router(trace_route.router)
     app.include_router(openai_routes.router)
-    return Guard(trace_route.TraceRoute(app, state), api_key=config.api_key, max_in_flight=config.max_in_flight,
-                 max_body_bytes=config.max_body_bytes, body_timeout_s=config.body_timeout_s)
+    return Guard(
+        trace_route.TraceRoute(app, state),
+        api_key=config.api_key,
+        max_in_flight=config.max_in_flight,
+        max_body_bytes=config.max_body_bytes,
+        body_timeout_s=config.body_timeout_s,
+    )
 
 
 def invalid_fields_message(errors: Any) -> str:

@@ -53,8 +53,10 @@ def registration_of(mediator: Any) -> Any:
 
 def edit_timeout_message(registration: Any, seconds: float, limit_s: float) -> str:
     label = registration.name or registration.id
-    return (f"the registered edit {label!r} ran {seconds:.1f} s without reaching the model, over this server's "
-            f"limit of {limit_s:g} s per block (a loop?); it was taken off the server and its request aborted")
+    return (
+        f"the registered edit {label!r} ran {seconds:.1f} s without reaching the model, over this server's "
+        f"limit of {limit_s:g} s per block (a loop?); it was taken off the server and its request aborted"
+    )
 
 
 class EditWatchdog:

@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import quote
 
 import torch
+
 from nnsight import NNsight
 from nnsight.intervention.interleaver import Mediator
 from nnsight.intervention.serialization import dumps
@@ -31,8 +32,8 @@ from nnsight.tracing.backend import Backend
 from nnsight.tracing.tracer import Tracer, WithBlockNotFoundError, mark, skip_context, skippable
 from nnsight.tracing.util import SerializedFrame, push
 
-from interleaver.mediator import ServedValues
 from interleaver.keywords import _check_kwargs
+from interleaver.mediator import ServedValues
 from nnrun.serve import wire
 from nnrun.serve.block_payload import serialize_trace
 from nnrun.serve.prompt_ids import PROMPT_IDS_ATTRIBUTE, TokenizerIdentity, encode_trace_prompts
@@ -52,9 +53,18 @@ class RemoteLanguageModel(ServedValues, NNsight):
     and ignored, so local code runs against a server by adding `serve=`: the server's own apply.
     """
 
-    def __init__(self, model_or_path: Any, *, serve: str, api_key: str | None = None, tokenizer: Any = None,
-                 trust_remote_code: bool = False, max_retries: int = MAX_RETRIES,
-                 retry_timeout: float = RETRY_TIMEOUT_S, **engine_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_or_path: Any,
+        *,
+        serve: str,
+        api_key: str | None = None,
+        tokenizer: Any = None,
+        trust_remote_code: bool = False,
+        max_retries: int = MAX_RETRIES,
+        retry_timeout: float = RETRY_TIMEOUT_S,
+        **engine_kwargs: Any,
+    ) -> None:
         path = _resolve_path(model_or_path)
         super().__init__(_meta_model(path, trust_remote_code))
         for envoy in [self, *self.modules()]:
@@ -74,8 +84,9 @@ class RemoteLanguageModel(ServedValues, NNsight):
         return self._tokenizer_identity.fingerprint(self.tokenizer)
 
     # ---- tracing --------------------------------------------------------------------------
-    def trace(self, *inputs: Any, blocking: bool = True, edits: list[str] | None = None,
-              **kwargs: Any) -> "RemoteTracer":
+    def trace(
+        self, *inputs: Any, blocking: bool = True, edits: list[str] | None = None, **kwargs: Any
+    ) -> "RemoteTracer":
         """`with model.trace(prompt):` run on the server; `blocking=False` returns at once (see `collect`)."""
         _check_kwargs("trace", kwargs, wire.accepted_kwargs("trace"))
         return RemoteTracer(self, "trace", *inputs, backend=ServeBackend(self, blocking, edits), **kwargs)
@@ -124,8 +135,11 @@ class RemoteLanguageModel(ServedValues, NNsight):
     def _submit(self, fn: Any, *args: Any) -> Future:
         with self._background_lock:
             if self._background is None:
-                object.__setattr__(self, "_background", ThreadPoolExecutor(
-                    max_workers=MAX_BACKGROUND_TRACES, thread_name_prefix="nnrun-serve-client"))
+                object.__setattr__(
+                    self,
+                    "_background",
+                    ThreadPoolExecutor(max_workers=MAX_BACKGROUND_TRACES, thread_name_prefix="nnrun-serve-client"),
+                )
         return self._background.submit(fn, *args)
 
 
@@ -213,8 +227,7 @@ class EditRegistration:
         An edit that held the engine past the server's block timeout is taken off the server: its
         status is then "failed", and "error" says what it did.
         """
-        return json.loads(self.model._http.post(f"/v1/nnsight/register/{quote(self.id, safe='')}", b"",
-                                                method="GET"))
+        return json.loads(self.model._http.post(f"/v1/nnsight/register/{quote(self.id, safe='')}", b"", method="GET"))
 
     @property
     def error(self) -> str | None:
@@ -227,8 +240,9 @@ class EditRegistration:
             answer = json.loads(self.model._post(f"/v1/nnsight/register/{quote(self.id, safe='')}/clear", b""))
             self.cleared = True
             if answer.get("error"):
-                warnings.warn(f"the server had already taken this edit off: {answer['error']}", RuntimeWarning,
-                              stacklevel=2)
+                warnings.warn(
+                    f"the server had already taken this edit off: {answer['error']}", RuntimeWarning, stacklevel=2
+                )
 
     def __repr__(self) -> str:
         state = "cleared" if self.cleared else "active"

@@ -50,8 +50,10 @@ class Drain:
         return self.cut_at is not None and time.monotonic() >= self.cut_at
 
     def error(self) -> ServerShuttingDown:
-        return ServerShuttingDown(f"the server is shutting down and this request did not finish within its drain "
-                                  f"timeout of {self.timeout_s:g} s; it was aborted")
+        return ServerShuttingDown(
+            f"the server is shutting down and this request did not finish within its drain "
+            f"timeout of {self.timeout_s:g} s; it was aborted"
+        )
 
 
 class DrainingServer(uvicorn.Server):

@@ -17,9 +17,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from interleaver.jobs import TraceJob
 from interleaver.keywords import _check_kwargs
 from interleaver.model import LanguageModel
-from interleaver.jobs import TraceJob
 from interleaver.run_job import run_trace_job
 from interleaver.tracer import NNrunTracer, PendingInvoke
 from nnrun.engine import RequestHandle
@@ -66,18 +66,22 @@ class RequestLimits:
         if self.drain is not None and self.drain.is_cut():
             raise self.drain.error()
         if block_seconds > self.block_timeout_s:
-            raise TimeoutError(f"the trace's block ran {block_seconds:.1f} s without reaching the model, over this "
-                               f"server's limit of {self.block_timeout_s:g} s (a loop?); its requests were aborted")
+            raise TimeoutError(
+                f"the trace's block ran {block_seconds:.1f} s without reaching the model, over this "
+                f"server's limit of {self.block_timeout_s:g} s (a loop?); its requests were aborted"
+            )
         if time.monotonic() > self.deadline:
-            raise TimeoutError(f"the trace ran past this server's limit of {self.timeout_s:g} s per request; its "
-                               "requests were aborted")
+            raise TimeoutError(
+                f"the trace ran past this server's limit of {self.timeout_s:g} s per request; its requests were aborted"
+            )
 
 
 class ServedLanguageModel(LanguageModel):
     """A LanguageModel serving many clients: limits, cancellation and registered edits per request."""
 
-    def __init__(self, model_or_path: Any, *, max_new_tokens: int, block_timeout_s: float = 10.0,
-                 **engine_kwargs: Any) -> None:
+    def __init__(
+        self, model_or_path: Any, *, max_new_tokens: int, block_timeout_s: float = 10.0, **engine_kwargs: Any
+    ) -> None:
         super().__init__(model_or_path, **engine_kwargs)
         object.__setattr__(self, "max_new_tokens_limit", max_new_tokens)
         object.__setattr__(self, "registry", Registry())
@@ -125,8 +129,9 @@ class ServedLanguageModel(LanguageModel):
         return kwargs
 
     @contextmanager
-    def for_request(self, limits: RequestLimits,
-                    prompt_ids: dict[str, list[int]] | None = None) -> Iterator[RequestLimits]:
+    def for_request(
+        self, limits: RequestLimits, prompt_ids: dict[str, list[int]] | None = None
+    ) -> Iterator[RequestLimits]:
         """Run this thread's next traces under `limits`, with the client's ids for its text prompts."""
         self._request.limits = limits
         self._request.prompt_ids = prompt_ids
@@ -138,12 +143,15 @@ class ServedLanguageModel(LanguageModel):
     def submit_completion(self, prompt: Any, params: SamplingParams) -> RequestHandle:
         """Queue a plain completion (an OpenAI route's); registered edits ride it as a generation trace."""
         if params.max_tokens is None or params.max_tokens > self.max_new_tokens_limit:
-            raise ValueError(f"max_tokens={params.max_tokens} is over this server's limit of "
-                             f"{self.max_new_tokens_limit} new tokens per request")
+            raise ValueError(
+                f"max_tokens={params.max_tokens} is over this server's limit of "
+                f"{self.max_new_tokens_limit} new tokens per request"
+            )
         registrations = self.registry.active()
         # A request carrying blocks is never preempted: a block cannot see its steps twice.
-        req = self.engine.make_request(prompt, params, request_id=f"cmpl-{uuid.uuid4().hex}",
-                                       preemptible=not registrations)
+        req = self.engine.make_request(
+            prompt, params, request_id=f"cmpl-{uuid.uuid4().hex}", preemptible=not registrations
+        )
         if registrations:
             job = TraceJob("generate", [], pad_token_id=self._pad_token_id())
             job.requests[req.request_id] = req
@@ -162,8 +170,10 @@ class ServedLanguageModel(LanguageModel):
     def _sampling_params(self, kind: str, kwargs: dict, prompt_len: int) -> SamplingParams:
         params = super()._sampling_params(kind, kwargs, prompt_len)
         if params.max_tokens is not None and params.max_tokens > self.max_new_tokens_limit:
-            raise ValueError(f"max_new_tokens={params.max_tokens} is over this server's limit of "
-                             f"{self.max_new_tokens_limit} new tokens per request")
+            raise ValueError(
+                f"max_new_tokens={params.max_tokens} is over this server's limit of "
+                f"{self.max_new_tokens_limit} new tokens per request"
+            )
         return params
 
     def _tokenize(self, prompt: Any, where: str) -> list[int]:
@@ -193,8 +203,14 @@ class ServedLanguageModel(LanguageModel):
         limits.request_ids = list(job.requests)
         watch = BlockWatch(self.engine.runner, [inv.mediator for inv in job.invocations])
         try:
-            run_trace_job(self.engine, job, check=lambda: self._check_limits(limits, watch), poll_s=POLL_S,
-                          abort_grace_s=ABORT_GRACE_S, abort_with_error=True)
+            run_trace_job(
+                self.engine,
+                job,
+                check=lambda: self._check_limits(limits, watch),
+                poll_s=POLL_S,
+                abort_grace_s=ABORT_GRACE_S,
+                abort_with_error=True,
+            )
         finally:
             if job.done.is_set():
                 limits.registered_saves = detach_registered(job)

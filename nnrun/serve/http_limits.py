@@ -34,12 +34,20 @@ logger = logging.getLogger("nnrun.serve")
 def limited_protocol(max_header_bytes: int, header_timeout_s: float, max_connections: int) -> type | str:
     """uvicorn's httptools protocol with these limits (pass it as `uvicorn.Config(http=...)`), or "h11" without it."""
     if HttpToolsProtocol is None:
-        logger.warning("httptools is not installed: serving with h11, whose header size limit applies, but without "
-                       "--header-timeout or --max-connections (pip install httptools)")
+        logger.warning(
+            "httptools is not installed: serving with h11, whose header size limit applies, but without "
+            "--header-timeout or --max-connections (pip install httptools)"
+        )
         return "h11"
-    return type("LimitedHttpToolsProtocol", (LimitedHttpToolsProtocol,), {
-        "max_header_bytes": max_header_bytes, "header_timeout_s": header_timeout_s,
-        "max_connections": max_connections})
+    return type(
+        "LimitedHttpToolsProtocol",
+        (LimitedHttpToolsProtocol,),
+        {
+            "max_header_bytes": max_header_bytes,
+            "header_timeout_s": header_timeout_s,
+            "max_connections": max_connections,
+        },
+    )
 
 
 class LimitedHttpToolsProtocol(HttpToolsProtocol or object):  # object: never made without httptools
@@ -58,8 +66,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol or object):  # object: never ma
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self.max_connections:
-            logger.warning("refused a connection: %d open, this server's limit is %d", len(self.connections) - 1,
-                           self.max_connections)
+            logger.warning(
+                "refused a connection: %d open, this server's limit is %d",
+                len(self.connections) - 1,
+                self.max_connections,
+            )
             transport.abort()  # no response: nothing was read, and the client sees a reset it can retry
             return
         self._arm_header_timer()  # a connection that never sends a byte is closed too
@@ -72,8 +83,11 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol or object):  # object: never ma
         if self.is_reading_headers:
             self.num_header_bytes += len(data)
         super().data_received(data)
-        if self.is_reading_headers and self.num_header_bytes > self.max_header_bytes \
-                and not self.transport.is_closing():
+        if (
+            self.is_reading_headers
+            and self.num_header_bytes > self.max_header_bytes
+            and not self.transport.is_closing()
+        ):
             self._refuse(431, f"request headers over this server's limit of {self.max_header_bytes} bytes")
 
     def on_message_begin(self) -> None:
@@ -114,8 +128,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol or object):  # object: never ma
         logger.warning("refused a request: %s", message)
         reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
         body = message.encode()
-        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
-                             b"connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+        self.transport.write(
+            b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n%s" % (status, reason, len(body), body)
+        )
         self.transport.close()
         self.parser = _ClosedParser()  # what the connection still sends is dropped, not parsed
 

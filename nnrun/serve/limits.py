@@ -34,8 +34,9 @@ class Guard:
     until its last byte is sent. The app gets the body already read (`_replay`).
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_in_flight: int, max_body_bytes: int,
-                 body_timeout_s: float) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, max_in_flight: int, max_body_bytes: int, body_timeout_s: float
+    ) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key is not None else None
         self.max_in_flight = max_in_flight
@@ -52,16 +53,23 @@ class Guard:
             await _refuse(scope, receive, send, 401, "missing or invalid API key", {"WWW-Authenticate": "Bearer"})
             return
         try:
-            body = await read_asgi_body(receive, headers.get("content-length"), self.max_body_bytes,
-                                        self.body_timeout_s)
+            body = await read_asgi_body(
+                receive, headers.get("content-length"), self.max_body_bytes, self.body_timeout_s
+            )
         except HTTPException as error:  # the client may still be sending: answer, then close the connection
             await _refuse(scope, receive, send, error.status_code, error.detail, {"Connection": "close"})
             return
         except ClientDisconnect:
             return
         if self.num_in_flight >= self.max_in_flight:
-            await _refuse(scope, receive, send, 429, f"this server is serving its limit of {self.max_in_flight} "
-                          "requests; retry shortly", {"Retry-After": "1"})
+            await _refuse(
+                scope,
+                receive,
+                send,
+                429,
+                f"this server is serving its limit of {self.max_in_flight} requests; retry shortly",
+                {"Retry-After": "1"},
+            )
             return
         self.num_in_flight += 1
         try:
@@ -85,8 +93,9 @@ def presented_key(headers: Headers) -> str | None:
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-async def _refuse(scope: Scope, receive: Receive, send: Send, status_code: int, detail: str,
-                  headers: dict[str, str]) -> None:
+async def _refuse(
+    scope: Scope, receive: Receive, send: Send, status_code: int, detail: str, headers: dict[str, str]
+) -> None:
     await JSONResponse({"detail": detail}, status_code=status_code, headers=headers)(scope, receive, send)
 
 
@@ -109,8 +118,9 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
     return await read_asgi_body(request.receive, request.headers.get("content-length"), max_bytes)
 
 
-async def read_asgi_body(receive: Receive, content_length: str | None, max_bytes: int,
-                         timeout_s: float | None = None) -> bytes:
+async def read_asgi_body(
+    receive: Receive, content_length: str | None, max_bytes: int, timeout_s: float | None = None
+) -> bytes:
     """`read_body` from the ASGI messages themselves; `ClientDisconnect` if the client goes first.
 
     `timeout_s`: 408 if the whole body has not arrived within that many seconds.
@@ -131,8 +141,9 @@ async def read_asgi_body(receive: Receive, content_length: str | None, max_bytes
                 if not message.get("more_body", False):
                     return b"".join(chunks)
     except TimeoutError:
-        raise HTTPException(status_code=408, detail=f"the request body did not all arrive within this server's "
-                                                    f"limit of {timeout_s:g} s") from None
+        raise HTTPException(
+            status_code=408, detail=f"the request body did not all arrive within this server's limit of {timeout_s:g} s"
+        ) from None
 
 
 def _check_declared(content_length: str | None, max_bytes: int) -> None:

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 
-def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float] | None],
-                        text_offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer: Any, token_ids: list[int], entries: list[dict[int, float] | None], text_offset: int = 0
+) -> dict[str, Any]:
     """OpenAI's legacy `logprobs`; an entry of None (an echoed prompt's first token, which nothing predicts) is null."""
     texts = [_text(tokenizer, token_id) for token_id in token_ids]
     offsets = []
@@ -23,8 +24,9 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict
     return {
         "tokens": texts,
         "token_logprobs": [entry[tid] if entry is not None else None for tid, entry in zip(token_ids, entries)],
-        "top_logprobs": [{_text(tokenizer, tid): lp for tid, lp in entry.items()} if entry is not None else None
-                         for entry in entries],
+        "top_logprobs": [
+            {_text(tokenizer, tid): lp for tid, lp in entry.items()} if entry is not None else None for entry in entries
+        ],
         "text_offset": offsets,
     }
 
@@ -34,13 +36,18 @@ def joined(first: dict[str, list], second: dict[str, list]) -> dict[str, list]:
     return {key: first[key] + second[key] for key in first}
 
 
-def chat_logprobs(tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]],
-                  num_top: int) -> dict[str, Any]:
-    return {"content": [
-        {**_token(tokenizer, token_id, entry[token_id]),
-         "top_logprobs": [_token(tokenizer, tid, lp) for tid, lp in _most_likely(entry, num_top)]}
-        for token_id, entry in zip(token_ids, entries)
-    ]}
+def chat_logprobs(
+    tokenizer: Any, token_ids: list[int], entries: list[dict[int, float]], num_top: int
+) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                **_token(tokenizer, token_id, entry[token_id]),
+                "top_logprobs": [_token(tokenizer, tid, lp) for tid, lp in _most_likely(entry, num_top)],
+            }
+            for token_id, entry in zip(token_ids, entries)
+        ]
+    }
 
 
 def _most_likely(entry: dict[int, float], num_top: int) -> list[tuple[int, float]]:

@@ -60,9 +60,23 @@ class SamplingFields(BaseModel):
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """The `SamplingParams` keywords these fields set (max_tokens apart: each route has its default)."""
-        kwargs = {name: getattr(self, name) for name in (
-            "temperature", "top_p", "stop", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
-            "min_tokens", "ignore_eos", "repetition_penalty", "stop_token_ids")}
+        kwargs = {
+            name: getattr(self, name)
+            for name in (
+                "temperature",
+                "top_p",
+                "stop",
+                "seed",
+                "presence_penalty",
+                "frequency_penalty",
+                "top_k",
+                "min_p",
+                "min_tokens",
+                "ignore_eos",
+                "repetition_penalty",
+                "stop_token_ids",
+            )
+        }
         return {**kwargs, "logprobs": self.num_logprobs()}
 
     def refuse_unserved(self) -> None:
@@ -139,8 +153,13 @@ class ChatRequest(SamplingFields):
     modalities: list[StrictStr] | None = None
 
     unserved: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "tools": (None,), "tool_choice": (None,),
-        "functions": (None,), "function_call": (None,), "reasoning_effort": (None,), "modalities": (None, ["text"])}
+        "tools": (None,),
+        "tool_choice": (None,),
+        "functions": (None,),
+        "function_call": (None,),
+        "reasoning_effort": (None,),
+        "modalities": (None, ["text"]),
+    }
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

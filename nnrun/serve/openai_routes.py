@@ -22,9 +22,9 @@ from fastapi.responses import Response, StreamingResponse
 
 from nnrun.outputs import RequestOutput
 from nnrun.sampling_params import SamplingParams
-from nnrun.serve.state import DISCONNECT_POLL_S
 from nnrun.serve.openai_logprobs import chat_logprobs, completion_logprobs, joined
 from nnrun.serve.openai_protocol import ChatRequest, CompletionRequest, SamplingFields
+from nnrun.serve.state import DISCONNECT_POLL_S
 
 router = APIRouter()
 
@@ -32,8 +32,10 @@ router = APIRouter()
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
     state = request.app.state.serve
-    return {"object": "list", "data": [{"id": state.config.served_model_name, "object": "model",
-                                        "created": 0, "owned_by": "nnrun"}]}
+    return {
+        "object": "list",
+        "data": [{"id": state.config.served_model_name, "object": "model", "created": 0, "owned_by": "nnrun"}],
+    }
 
 
 @router.post("/v1/completions")
@@ -54,13 +56,16 @@ async def _complete(request: Request, body: SamplingFields, prompt: Any, max_tok
     state = request.app.state.serve
     model = state.ready_model()
     if body.model not in (state.config.served_model_name, state.config.model):
-        raise HTTPException(status_code=404, detail=f"the model {body.model!r} does not exist; this server serves "
-                                                    f"{state.config.served_model_name!r}")
+        raise HTTPException(
+            status_code=404,
+            detail=f"the model {body.model!r} does not exist; this server serves {state.config.served_model_name!r}",
+        )
     body.refuse_unserved()
     try:
         params = SamplingParams(max_tokens=max_tokens, **body.sampling_kwargs())
         handle = await asyncio.get_running_loop().run_in_executor(
-            state.executor, model.submit_completion, prompt, params)
+            state.executor, model.submit_completion, prompt, params
+        )
     except ValueError as error:
         raise HTTPException(status_code=400, detail=str(error)) from None
     meta = {"id": handle.request_id, "created": int(time.time()), "model": body.model}
@@ -69,8 +74,9 @@ async def _complete(request: Request, body: SamplingFields, prompt: Any, max_tok
     answer = _Answer(meta, chat, model.tokenizer, body.num_logprobs(), echo)
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_stream(state, handle, answer, deadline, include_usage),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(state, handle, answer, deadline, include_usage), media_type="text/event-stream"
+        )
     last = None
     async for last in _outputs(state, handle, deadline, request):
         pass
@@ -79,8 +85,9 @@ async def _complete(request: Request, body: SamplingFields, prompt: Any, max_tok
     return answer.response(last)
 
 
-async def _outputs(state: Any, handle: Any, deadline: float, request: Request | None = None
-                   ) -> AsyncIterator[RequestOutput]:
+async def _outputs(
+    state: Any, handle: Any, deadline: float, request: Request | None = None
+) -> AsyncIterator[RequestOutput]:
     """The request's outputs as they come; aborts it if the client leaves, a deadline passes or a drain cuts it.
 
     A worker thread follows the engine's stream (it blocks) and hands each output to this loop.
@@ -131,8 +138,9 @@ def _request_error(state: Any, handle: Any, error: BaseException) -> HTTPExcepti
     return HTTPException(status_code=500, detail=f"the request failed: {type(error).__name__}: {error}")
 
 
-async def _stream(state: Any, handle: Any, answer: "_Answer", deadline: float,
-                  include_usage: bool = False) -> AsyncIterator[str]:
+async def _stream(
+    state: Any, handle: Any, answer: "_Answer", deadline: float, include_usage: bool = False
+) -> AsyncIterator[str]:
     """Server-sent events: one chunk per new piece of text, then the finish reason, then [DONE].
 
     A stream that cannot finish (an edit failed, a deadline passed, the server is draining) ends
@@ -146,7 +154,7 @@ async def _stream(state: Any, handle: Any, answer: "_Answer", deadline: float,
         async for output in _outputs(state, handle, deadline):
             completion = output.outputs[0]
             text = completion.text
-            delta, sent = (text[len(sent):], text) if text.startswith(sent) else ("", sent)
+            delta, sent = (text[len(sent) :], text) if text.startswith(sent) else ("", sent)
             reason = completion.finish_reason if output.finished else None
             if delta or reason:
                 piece = {"delta": {"content": delta}} if answer.chat else {"text": delta}
@@ -167,8 +175,9 @@ async def _stream(state: Any, handle: Any, answer: "_Answer", deadline: float,
 class _Answer:
     """How one completion is answered: its id and model, chat or text, and its logprobs if asked for."""
 
-    def __init__(self, meta: dict, chat: bool, tokenizer: Any, num_logprobs: int | None,
-                 echo: str | None = None) -> None:
+    def __init__(
+        self, meta: dict, chat: bool, tokenizer: Any, num_logprobs: int | None, echo: str | None = None
+    ) -> None:
         self.meta = meta
         self.chat = chat
         self.echo = echo  # the prompt's text, shown before the completion's (`echo=true`)
@@ -205,8 +214,12 @@ class _Answer:
         completion = output.outputs[0]
         reason = completion.finish_reason
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": completion.text},
-                      "finish_reason": reason, "logprobs": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": completion.text},
+                "finish_reason": reason,
+                "logprobs": None,
+            }
         else:
             choice = {"index": 0, "text": completion.text, "finish_reason": reason}
         logprobs = self.logprobs(completion)
@@ -214,14 +227,21 @@ class _Answer:
             text, logprobs = self.with_echo(output, {"text": completion.text}, logprobs)
             choice.update(text)
         choice.update(logprobs)
-        return {**self.meta, "object": "chat.completion" if self.chat else "text_completion", "choices": [choice],
-                "usage": _usage(output)}
+        return {
+            **self.meta,
+            "object": "chat.completion" if self.chat else "text_completion",
+            "choices": [choice],
+            "usage": _usage(output),
+        }
 
 
 def _usage(output: RequestOutput) -> dict[str, int]:
     num_prompt, num_completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion}
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+    }
 
 
 def _echoed_text(tokenizer: Any, prompt: Any) -> str:

@@ -26,6 +26,7 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
+
 from nnsight.intervention.envoy import Envoy
 from nnsight.intervention.serialization import CustomCloudUnpickler
 from nnsight.tracing.globals import BLOCKS, SOURCES
@@ -133,7 +134,7 @@ class _BlockCache:
         if len(self._blocks) <= self.size:
             return  # the common case: no walk over every cached block per request
         idle = [key for key, block in self._blocks.items() if block.users == 0]
-        for key in idle[:max(0, len(self._blocks) - self.size)]:
+        for key in idle[: max(0, len(self._blocks) - self.size)]:
             self._blocks.pop(key).forget()
 
     def __len__(self) -> int:
@@ -149,8 +150,9 @@ class ServerTrace:
     `prompt_ids`: the client's ids for its text prompts, when its tokenizer is the server's (`prompt_ids`).
     """
 
-    def __init__(self, tracer: NNrunTracer, block: CompiledBlock,
-                 prompt_ids: dict[str, list[int]] | None = None) -> None:
+    def __init__(
+        self, tracer: NNrunTracer, block: CompiledBlock, prompt_ids: dict[str, list[int]] | None = None
+    ) -> None:
         self.tracer = tracer
         self.block = block
         self.prompt_ids = prompt_ids
@@ -175,8 +177,9 @@ def load_trace(blob: bytes, model: Any) -> ServerTrace:
     except PayloadError:
         raise
     except Exception as error:
-        raise PayloadError(f"the request body is not a serialized nnsight trace ({type(error).__name__}: "
-                           f"{error})") from None
+        raise PayloadError(
+            f"the request body is not a serialized nnsight trace ({type(error).__name__}: {error})"
+        ) from None
     if not isinstance(client_tracer, Tracer) or not isinstance(source, str):
         raise PayloadError("the request body is not a serialized nnsight trace")
     kind = trace_kind(getattr(client_tracer, "fn", None))
@@ -217,7 +220,7 @@ def load_block(scope: dict, model: Any, tracer: Any) -> dict:
 
 
 def trace_kind(fn: Any) -> str:
-    """"trace" or "generate", from the `fn` a client's tracer carries."""
+    """ "trace" or "generate", from the `fn` a client's tracer carries."""
     name = fn if isinstance(fn, str) else getattr(fn, "__name__", None)
     if name in _TRACE_FNS:
         return "trace"
@@ -259,4 +262,3 @@ class _Rebinder:
         if isinstance(value, tuple) and type(value) is tuple:
             return tuple(self(item) for item in value)
         return value
-

@@ -47,8 +47,15 @@ def tokenizer_fingerprint(tokenizer: Any) -> str | None:
     settings = _scalar_settings(tokenizer)
     special = sorted((name, repr(value)) for name, value in tokenizer.special_tokens_map.items())
     digest = hashlib.sha256()
-    for part in (transformers.__version__, tokenizers.__version__, type(tokenizer).__module__,
-                 type(tokenizer).__qualname__, repr(settings), repr(special), state):
+    for part in (
+        transformers.__version__,
+        tokenizers.__version__,
+        type(tokenizer).__module__,
+        type(tokenizer).__qualname__,
+        repr(settings),
+        repr(special),
+        state,
+    ):
         digest.update(part.encode("utf-8", "surrogatepass"))
         digest.update(b"\0")
     return digest.hexdigest()
@@ -75,8 +82,13 @@ def _state_key(tokenizer: Any) -> Any:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
-    parts = [len(tokenizer), backend.get_vocab_size(with_added_tokens=False), repr(backend.truncation),
-             repr(backend.padding), _scalar_settings(tokenizer)]
+    parts = [
+        len(tokenizer),
+        backend.get_vocab_size(with_added_tokens=False),
+        repr(backend.truncation),
+        repr(backend.padding),
+        _scalar_settings(tokenizer),
+    ]
     for name in ("normalizer", "pre_tokenizer", "post_processor"):
         component = getattr(backend, name)
         parts.append(component.__getstate__() if component is not None else None)
@@ -84,8 +96,11 @@ def _state_key(tokenizer: Any) -> Any:
 
 
 def _scalar_settings(tokenizer: Any) -> list[tuple[str, str]]:
-    return sorted((name, repr(value)) for name, value in vars(tokenizer).items()
-                  if name not in _UNRELATED and (value is None or isinstance(value, (bool, int, float, str))))
+    return sorted(
+        (name, repr(value))
+        for name, value in vars(tokenizer).items()
+        if name not in _UNRELATED and (value is None or isinstance(value, (bool, int, float, str)))
+    )
 
 
 def encode_trace_prompts(tokenizer: Any, fingerprint: str | None, inputs: tuple) -> tuple[str, dict] | None:
@@ -115,7 +130,12 @@ def accepted_prompt_ids(shipped: Any, fingerprint: str | None) -> dict[str, list
 
 def checked_ids(ids: Any, vocab_size: int) -> list[int] | None:
     """`ids` if they are a non-empty list of Python ints inside the vocabulary, else None."""
-    if (type(ids) is not list or not ids or not all(type(token) is int for token in ids)
-            or min(ids) < 0 or max(ids) >= vocab_size):
+    if (
+        type(ids) is not list
+        or not ids
+        or not all(type(token) is int for token in ids)
+        or min(ids) < 0
+        or max(ids) >= vocab_size
+    ):
         return None
     return ids

@@ -19,8 +19,8 @@ from typing import Any
 
 from nnsight.intervention.interleaver import Mediator
 
-from interleaver.mediator import PackedMediator
 from interleaver.jobs import Invocation, TraceJob
+from interleaver.mediator import PackedMediator
 from nnrun.serve.payload import PayloadError, ServerObjects, load_block
 
 MAX_KEPT_FAILURES = 64  # failed edits remembered for /health and their registrants
@@ -58,8 +58,9 @@ class Registry:
         except PayloadError:
             raise
         except Exception as error:
-            raise PayloadError(f"the request body is not a serialized nnsight edit ({type(error).__name__}: "
-                               f"{error})") from None
+            raise PayloadError(
+                f"the request body is not a serialized nnsight edit ({type(error).__name__}: {error})"
+            ) from None
         if not isinstance(template, Mediator):
             raise PayloadError("the request body is not a serialized nnsight edit (expected a Mediator)")
         glbls = load_block(dict(template.glbls), model, model.edit_tracer)
@@ -109,15 +110,20 @@ class Registry:
         installed = {r.name for r in registrations if r.name is not None}
         unknown = [name for name in wanted if name not in installed]
         if unknown:
-            raise ValueError(f"edits={wanted!r} names {unknown!r}, but no edit is installed under that name "
-                             f"(installed: {sorted(installed)!r})")
+            raise ValueError(
+                f"edits={wanted!r} names {unknown!r}, but no edit is installed under that name "
+                f"(installed: {sorted(installed)!r})"
+            )
         return [r for r in registrations if r.name is None or r.name in wanted]
 
 
 def attach_registered(job: TraceJob, registrations: list[Registration]) -> None:
     """Give every request of `job` its own copy of each registration, served before the trace's blocks."""
-    pairs = [(Invocation(registration.copy(), [request_id], index=-1, job=job), registration)
-             for request_id in job.requests for registration in registrations]
+    pairs = [
+        (Invocation(registration.copy(), [request_id], index=-1, job=job), registration)
+        for request_id in job.requests
+        for registration in registrations
+    ]
     job.registered = pairs  # the serve layer's own note on the job, read back by `detach_registered`
     job.invocations = [invocation for invocation, _ in pairs] + job.invocations
 

@@ -16,13 +16,13 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, HTTPException, Request
-from nnsight.tracing.tracer import dec, inc
-
-from interleaver.nnsight_private import saved_value_ids
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from nnsight.tracing.tracer import dec, inc
+
+from interleaver.nnsight_private import saved_value_ids
 from nnrun.serve.engine_model import RequestLimits, ServedLanguageModel
 from nnrun.serve.limits import read_asgi_body, read_body
 from nnrun.serve.payload import PayloadError, ServerTrace, load_trace
@@ -95,13 +95,22 @@ class TraceRoute:
                 raise HTTPException(status_code=405, detail="Method Not Allowed", headers={"Allow": "POST"})
             body = await generate(self.state, scope, receive)
         except HTTPException as error:
-            await JSONResponse({"detail": error.detail}, status_code=error.status_code,
-                               headers=error.headers)(scope, receive, send)
+            await JSONResponse({"detail": error.detail}, status_code=error.status_code, headers=error.headers)(
+                scope, receive, send
+            )
             return
         except ClientDisconnect:
             return  # nobody is left to answer
-        await send({"type": "http.response.start", "status": 200, "headers": [
-            (b"content-type", b"application/octet-stream"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"application/octet-stream"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -110,11 +119,11 @@ async def generate(state: Any, scope: Scope, receive: Receive) -> bytes:
     model = state.ready_model()
     headers = dict(scope["headers"])  # ASGI header names are lower-case bytes
     content_length = headers.get(b"content-length")
-    blob = await read_asgi_body(receive, content_length.decode("latin-1") if content_length is not None else None,
-                                state.config.max_body_bytes)
+    blob = await read_asgi_body(
+        receive, content_length.decode("latin-1") if content_length is not None else None, state.config.max_body_bytes
+    )
     edits = parse_qs(scope["query_string"].decode("latin-1")).get("edits")
-    limits = RequestLimits(state.config.request_timeout_s, state.config.block_timeout_s, edits=edits,
-                           drain=state.drain)
+    limits = RequestLimits(state.config.request_timeout_s, state.config.block_timeout_s, edits=edits, drain=state.drain)
     raw_tensors = headers.get(RESULT_FORMAT_HEADER.encode()) == RAW_TENSORS.encode()
     work = asyncio.get_running_loop().run_in_executor(state.executor, run_trace, model, blob, limits, raw_tensors)
     return await state.wait_or_cancel(ClientWatch(receive), work, limits.cancelled)
@@ -147,7 +156,8 @@ async def register(registration_id: str, request: Request, name: str | None = No
     payload = await read_body(request, state.config.max_body_bytes)
     try:
         await asyncio.get_running_loop().run_in_executor(
-            state.executor, model.registry.register, registration_id, payload, name, model)
+            state.executor, model.registry.register, registration_id, payload, name, model
+        )
     except PayloadError as error:
         raise HTTPException(status_code=400, detail=str(error)) from None
     logger.info("installed edit %s%s", registration_id, f" ({name})" if name else "")

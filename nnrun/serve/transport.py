@@ -37,8 +37,9 @@ FIRST_BACKOFF_S = 0.5  # without a Retry-After: 0.5, 1, 2, 4 s
 class Connection:
     """Keep-alive connections to one `nnrun serve` URL; safe to share between threads."""
 
-    def __init__(self, url: str, api_key: str | None, max_retries: int = MAX_RETRIES,
-                 retry_timeout: float = RETRY_TIMEOUT_S) -> None:
+    def __init__(
+        self, url: str, api_key: str | None, max_retries: int = MAX_RETRIES, retry_timeout: float = RETRY_TIMEOUT_S
+    ) -> None:
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
         if isinstance(retry_timeout, bool) or not isinstance(retry_timeout, (int, float)) or retry_timeout < 0:
@@ -69,9 +70,11 @@ class Connection:
             wait = _retry_after(response.getheader("retry-after"), retry)
             elapsed = time.monotonic() - started
             if retry == self.max_retries or elapsed + wait > self.retry_timeout:
-                raise ConnectionError(f"{message} (gave up after {retry + 1} tries over {elapsed:.1f} s: this client "
-                                      f"retries {RETRIED_STATUSES} at most {self.max_retries} times within "
-                                      f"{self.retry_timeout:g} s, max_retries= and retry_timeout= set that)")
+                raise ConnectionError(
+                    f"{message} (gave up after {retry + 1} tries over {elapsed:.1f} s: this client "
+                    f"retries {RETRIED_STATUSES} at most {self.max_retries} times within "
+                    f"{self.retry_timeout:g} s, max_retries= and retry_timeout= set that)"
+                )
             time.sleep(wait)
         raise AssertionError("unreachable: the last try returns or raises")
 
@@ -84,8 +87,9 @@ class Connection:
             body = response.read()
         except _TRANSPORT_ERRORS as error:
             connection.close()
-            raise ConnectionError(f"could not reach nnrun serve at {self.url}: {type(error).__name__}: {error}") \
-                from None
+            raise ConnectionError(
+                f"could not reach nnrun serve at {self.url}: {type(error).__name__}: {error}"
+            ) from None
         if response.will_close:
             connection.close()
         else:
@@ -116,8 +120,9 @@ class Connection:
         try:
             connection.connect()
         except OSError as error:
-            raise ConnectionError(f"could not reach nnrun serve at {self.url}: {type(error).__name__}: {error}") \
-                from None
+            raise ConnectionError(
+                f"could not reach nnrun serve at {self.url}: {type(error).__name__}: {error}"
+            ) from None
         connection.sock.settimeout(wire.READ_TIMEOUT_S)  # a trace may queue; the server's own limit ends it first
         connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # headers and body go as sent
         return connection

@@ -22,6 +22,7 @@ import traceback as _traceback
 from typing import Any
 
 import torch
+
 from nnsight.intervention.errors import capture_exception, raise_deferred
 
 from nnrun.serve import tensor_pickle
@@ -50,8 +51,11 @@ def accepted_kwargs(kind: str) -> tuple[str, ...]:
 
 def headers(api_key: str | None) -> dict[str, str]:
     """The headers a trace or a registration carries (nnsight's, and the answer format nnrun's client reads)."""
-    sending = {"Content-Type": "application/octet-stream", "nnsight-compress": "False",
-               RESULT_FORMAT_HEADER: RAW_TENSORS}
+    sending = {
+        "Content-Type": "application/octet-stream",
+        "nnsight-compress": "False",
+        RESULT_FORMAT_HEADER: RAW_TENSORS,
+    }
     if api_key:
         sending[API_KEY_HEADER] = api_key
     return sending
@@ -97,8 +101,12 @@ def _bare(error: BaseException) -> BaseException | None:
         return None
 
 
-def encode_result(saves: dict[str, Any], error: dict[str, Any] | None,
-                  registered: list[dict[str, Any]] | None = None, raw_tensors: bool = False) -> bytes:
+def encode_result(
+    saves: dict[str, Any],
+    error: dict[str, Any] | None,
+    registered: list[dict[str, Any]] | None = None,
+    raw_tensors: bool = False,
+) -> bytes:
     """The body of a trace's answer (`error` from `capture_error`); unpicklable saves become its error.
 
     `raw_tensors`: the client reads `tensor_pickle`'s form; used where it carries every value exactly.

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from nnrun.config import EngineConfig
 import nnrun.tp.wire as wire
+from nnrun.config import EngineConfig
 from nnrun.tp.worker import RankSpec, run_rank
 
 logger = logging.getLogger(__name__)
@@ -49,8 +49,9 @@ class RankGroup:
         self.step_timeout_s = parallel.tensor_parallel_timeout
         self._error: TensorParallelError | None = None
         self._lock = threading.RLock()  # stop() may come from another thread than the steps
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=self.step_timeout_s))
+        self._store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.step_timeout_s)
+        )
         worker_config = dataclasses.replace(config, model=dataclasses.replace(config.model, tokenizer=None))
         num_threads = max(1, torch.get_num_threads() // self.world_size)
         context = mp.get_context("spawn")
@@ -60,10 +61,12 @@ class RankGroup:
         self._finalizer = weakref.finalize(self, _stop_processes, self.conns, self.processes)
         for rank in range(self.world_size):
             ours, theirs = context.Pipe(duplex=True)
-            spec = RankSpec(rank, self.world_size, self._store.port, checkpoint, worker_config,
-                            self.step_timeout_s, num_threads)
-            process = context.Process(target=run_rank, args=(spec, theirs, os.getpid()), daemon=True,
-                                      name=f"nnrun-tp-rank{rank}")
+            spec = RankSpec(
+                rank, self.world_size, self._store.port, checkpoint, worker_config, self.step_timeout_s, num_threads
+            )
+            process = context.Process(
+                target=run_rank, args=(spec, theirs, os.getpid()), daemon=True, name=f"nnrun-tp-rank{rank}"
+            )
             process.start()
             theirs.close()
             self.conns.append(ours)
@@ -137,12 +140,19 @@ class RankGroup:
             sender.start()
             sender.join(self.step_timeout_s)
             if sender.is_alive():
-                self._fail(TensorParallelError(
-                    f"a tensor-parallel rank read no step for {self.step_timeout_s:g} s (tensor_parallel_timeout); "
-                    f"it is hung. All {self.world_size} ranks were stopped"))
+                self._fail(
+                    TensorParallelError(
+                        f"a tensor-parallel rank read no step for {self.step_timeout_s:g} s (tensor_parallel_timeout); "
+                        f"it is hung. All {self.world_size} ranks were stopped"
+                    )
+                )
         if failure:
-            self._fail(self._first_death("receiving a message") or TensorParallelError(
-                f"a tensor-parallel rank closed its pipe before a message was sent ({failure[0]})"))
+            self._fail(
+                self._first_death("receiving a message")
+                or TensorParallelError(
+                    f"a tensor-parallel rank closed its pipe before a message was sent ({failure[0]})"
+                )
+            )
 
     def _recv(self, rank: int, doing: str) -> bytes:
         try:
@@ -159,9 +169,12 @@ class RankGroup:
         if dead and not any(self.conns[rank].poll() for rank in ranks):
             self._fail(self._death_error(dead[0], doing))
         if not ready:
-            self._fail(TensorParallelError(
-                f"the tensor-parallel group gave no answer within {self.step_timeout_s:g} s while {doing} "
-                f"(tensor_parallel_timeout); a rank is hung. All {self.world_size} ranks were stopped"))
+            self._fail(
+                TensorParallelError(
+                    f"the tensor-parallel group gave no answer within {self.step_timeout_s:g} s while {doing} "
+                    f"(tensor_parallel_timeout); a rank is hung. All {self.world_size} ranks were stopped"
+                )
+            )
 
     # ---- faults ------------------------------------------------------------------------------
     def check_alive(self) -> None:
@@ -196,8 +209,10 @@ class RankGroup:
             how = f"was killed by signal {signal.Signals(-code).name}"
         else:
             how = f"exited with code {code}"
-        return TensorParallelError(f"tensor-parallel rank {rank} (pid {process.pid}) {how} while {doing}; "
-                                   f"all {self.world_size} ranks were stopped")
+        return TensorParallelError(
+            f"tensor-parallel rank {rank} (pid {process.pid}) {how} while {doing}; "
+            f"all {self.world_size} ranks were stopped"
+        )
 
     def _fail(self, error: TensorParallelError) -> None:
         """Stop every rank at once and remember why: this and every later step raise `error`."""

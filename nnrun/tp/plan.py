@@ -9,8 +9,11 @@ from typing import Any
 # Only the dimensions a model's plan actually shards are checked.
 _SHARDED_DIMENSIONS: list[tuple[tuple[str, ...], str, tuple[str, ...]]] = [
     (("q_proj", "qkv_proj", "query_key_value", "c_attn"), "attention heads", ("num_attention_heads", "n_head")),
-    (("k_proj", "v_proj", "qkv_proj", "query_key_value"), "KV heads",
-     ("num_key_value_heads", "num_attention_heads", "n_head")),
+    (
+        ("k_proj", "v_proj", "qkv_proj", "query_key_value"),
+        "KV heads",
+        ("num_key_value_heads", "num_attention_heads", "n_head"),
+    ),
     (("gate_proj", "up_proj", "gate_up_proj", "fc1", "c_fc"), "MLP width", ("intermediate_size", "n_inner")),
     (("experts",), "expert MLP width", ("moe_intermediate_size", "intermediate_size")),
     (("embed_tokens", "lm_head", "wte"), "vocabulary", ("vocab_size",)),

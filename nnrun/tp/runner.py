@@ -16,13 +16,13 @@ from typing import Any, Iterator
 
 import torch
 
+import nnrun.tp.wire as wire
 from nnrun.config import EngineConfig
 from nnrun.forward_batch import ForwardBatch
 from nnrun.loader import _load_tokenizer, _resolve_path, check_model_supported
 from nnrun.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from nnrun.model_runner import LogitsProcessorOutput, ModelRunner
 from nnrun.sampler import SamplerOutput
-import nnrun.tp.wire as wire
 from nnrun.tp.group import RankGroup
 from nnrun.tp.plan import check_tensor_parallel_plan
 
@@ -58,21 +58,27 @@ class TensorParallelRunner(ModelRunner):
         _refuse_sources_without_checkpoint(model_config.model, model_config.load_format, tp_size)
         _check_devices(self.config.device.device, tp_size)
         if importlib.util.find_spec("accelerate") is None:
-            raise ValueError(f"tensor_parallel_size={tp_size} needs the accelerate package (transformers shards a "
-                             "checkpoint over ranks with it): pip install 'nnrun[tp]'")
+            raise ValueError(
+                f"tensor_parallel_size={tp_size} needs the accelerate package (transformers shards a "
+                "checkpoint over ranks with it): pip install 'nnrun[tp]'"
+            )
         self.checkpoint = _resolve_path(model_config.model)
         self.model_name = model_config.model
         try:
-            hf_config = AutoConfig.from_pretrained(self.checkpoint, revision=model_config.revision,
-                                                   trust_remote_code=model_config.trust_remote_code)
+            hf_config = AutoConfig.from_pretrained(
+                self.checkpoint, revision=model_config.revision, trust_remote_code=model_config.trust_remote_code
+            )
         except OSError as error:
-            raise ValueError(f"could not load model {model_config.model!r}: it is not a local checkpoint folder, "
-                             f"not a bundled model, and the HF hub did not provide it: {error}") from error
+            raise ValueError(
+                f"could not load model {model_config.model!r}: it is not a local checkpoint folder, "
+                f"not a bundled model, and the HF hub did not provide it: {error}"
+            ) from error
         check_model_supported(hf_config)
         self.dtype = self.config.device.torch_dtype
         with torch.device("meta"):
-            self.model = AutoModelForCausalLM.from_config(hf_config, dtype=self.dtype,
-                                                          trust_remote_code=model_config.trust_remote_code)
+            self.model = AutoModelForCausalLM.from_config(
+                hf_config, dtype=self.dtype, trust_remote_code=model_config.trust_remote_code
+            )
         check_tensor_parallel_plan(self.model, tp_size)
         if os.path.isfile(os.path.join(self.checkpoint, "generation_config.json")):
             self.model.generation_config = GenerationConfig.from_pretrained(self.checkpoint)
@@ -151,8 +157,13 @@ def _is_plain_greedy_step(forward_batch: ForwardBatch) -> bool:
         return False
     for req in forward_batch.reqs:
         params = req.sampling_params
-        if not params.is_greedy or params.has_penalties or params.logprobs is not None \
-                or params.prompt_logprobs is not None or len(req.output_token_ids) < params.min_tokens:
+        if (
+            not params.is_greedy
+            or params.has_penalties
+            or params.logprobs is not None
+            or params.prompt_logprobs is not None
+            or len(req.output_token_ids) < params.min_tokens
+        ):
             return False
     return True
 
@@ -174,11 +185,15 @@ def _refuse_sources_without_checkpoint(source: Any, load_format: str, tp_size: i
 def _check_devices(device: str, tp_size: int) -> None:
     """Rank r runs on GPU r (choose the GPUs with CUDA_VISIBLE_DEVICES), or on this machine's CPU."""
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"tensor_parallel_size={tp_size} runs on device='cpu' or device='cuda' (rank r on GPU r; "
-                         f"pick the GPUs with CUDA_VISIBLE_DEVICES), got device={device!r}")
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} runs on device='cpu' or device='cuda' (rank r on GPU r; "
+            f"pick the GPUs with CUDA_VISIBLE_DEVICES), got device={device!r}"
+        )
     if device == "cuda" and torch.cuda.device_count() < tp_size:
-        raise ValueError(f"tensor_parallel_size={tp_size} needs {tp_size} GPUs, one per rank; this machine shows "
-                         f"{torch.cuda.device_count()}")
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} needs {tp_size} GPUs, one per rank; this machine shows "
+            f"{torch.cuda.device_count()}"
+        )
 
 
 def tensor_parallel_runner_class(runner_cls: type[ModelRunner]) -> type[ModelRunner]:

@@ -54,14 +54,31 @@ def encode_step(forward_batch: ForwardBatch, page_size: int, reply: StepReply = 
         page_table[row, :num_pages] = req.page_ids[:num_pages]
     wants_probs = np.zeros(len(reqs), dtype=np.int64)  # [B]
     wants_probs[forward_batch.attention_probs_rows] = 1
-    header = np.array([MessageKind.STEP, _MODE_CODES[forward_batch.forward_mode], forward_batch.num_tokens,
-                       len(reqs), len(forward_batch.logits_indices), max_pages, reply], dtype=np.int64)
-    buffer = np.concatenate([
-        header,
-        forward_batch.input_ids.numpy(), forward_batch.positions.numpy(), forward_batch.out_cache_loc.numpy(),
-        np.asarray(forward_batch.prefix_lens, dtype=np.int64), np.asarray(forward_batch.extend_seq_lens, dtype=np.int64),
-        wants_probs, page_table.ravel(), forward_batch.logits_indices.numpy(),
-    ])
+    header = np.array(
+        [
+            MessageKind.STEP,
+            _MODE_CODES[forward_batch.forward_mode],
+            forward_batch.num_tokens,
+            len(reqs),
+            len(forward_batch.logits_indices),
+            max_pages,
+            reply,
+        ],
+        dtype=np.int64,
+    )
+    buffer = np.concatenate(
+        [
+            header,
+            forward_batch.input_ids.numpy(),
+            forward_batch.positions.numpy(),
+            forward_batch.out_cache_loc.numpy(),
+            np.asarray(forward_batch.prefix_lens, dtype=np.int64),
+            np.asarray(forward_batch.extend_seq_lens, dtype=np.int64),
+            wants_probs,
+            page_table.ravel(),
+            forward_batch.logits_indices.numpy(),
+        ]
+    )
     return memoryview(buffer)
 
 
@@ -91,8 +108,9 @@ def decode_step(message: bytes, page_size: int) -> ForwardBatch:
     values = torch.frombuffer(bytearray(message), dtype=torch.int64)  # a private copy the batch may keep
     _, mode, num_tokens, batch_size, num_rows, max_pages, _ = values[:_HEADER_LEN].tolist()
     sizes = [num_tokens, num_tokens, num_tokens, batch_size, batch_size, batch_size, batch_size * max_pages, num_rows]
-    (input_ids, positions, out_cache_loc, prefix_lens, extend_lens, wants_probs, pages,
-     logits_indices) = values[_HEADER_LEN:].split(sizes)
+    (input_ids, positions, out_cache_loc, prefix_lens, extend_lens, wants_probs, pages, logits_indices) = values[
+        _HEADER_LEN:
+    ].split(sizes)
     page_table = pages.view(batch_size, max_pages)  # [B, max_pages]
     prefix_lens, extend_lens = prefix_lens.tolist(), extend_lens.tolist()
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -100,8 +118,10 @@ def decode_step(message: bytes, page_size: int) -> ForwardBatch:
     # the front end's formula; entries past a request's length are never read.
     slot_table = (page_table[:, :, None] * page_size + torch.arange(page_size)).view(batch_size, -1)
     slot_table = slot_table[:, : max(seq_lens, default=0)]
-    reqs = [ShippedRequest(row.tolist(), {OUTPUT_ATTENTIONS_ARG: True} if wants else {})
-            for row, wants in zip(page_table, wants_probs.tolist())]
+    reqs = [
+        ShippedRequest(row.tolist(), {OUTPUT_ATTENTIONS_ARG: True} if wants else {})
+        for row, wants in zip(page_table, wants_probs.tolist())
+    ]
     forward_mode = _MODES[mode]
     starts = np.cumsum([0] + extend_lens[:-1]).tolist() if batch_size else []
     return ForwardBatch(

@@ -20,9 +20,9 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+import nnrun.tp.wire as wire
 from nnrun.config import EngineConfig
 from nnrun.model_runner import ModelRunner
-import nnrun.tp.wire as wire
 from nnrun.tp.profiling import CollectiveTimer
 
 PARENT_POLL_S = 0.5  # how often a rank checks that its front end is still alive
@@ -51,8 +51,10 @@ class ShardRunner(ModelRunner):
         """The packed path on every rank: no per-rank choice of path (ranks must never take different ones)."""
         self.load_model()
         if getattr(self, "packed_unfit", None):
-            raise ValueError(f"{type(self.model).__name__} needs nnrun's exact path ({self.packed_unfit}), which is "
-                             "not served on tensor-parallel ranks yet; run it with tensor_parallel_size=1")
+            raise ValueError(
+                f"{type(self.model).__name__} needs nnrun's exact path ({self.packed_unfit}), which is "
+                "not served on tensor-parallel ranks yet; run it with tensor_parallel_size=1"
+            )
         self.init_memory_pool()
         self.init_attention_backend()
 
@@ -63,7 +65,9 @@ class ShardRunner(ModelRunner):
 
         model_config = self.config.model
         model_config.model = AutoModelForCausalLM.from_pretrained(
-            model_config.model, dtype=self.config.device.torch_dtype, revision=model_config.revision,
+            model_config.model,
+            dtype=self.config.device.torch_dtype,
+            revision=model_config.revision,
             trust_remote_code=model_config.trust_remote_code,
             distributed_config=DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size()),
         )
@@ -123,8 +127,13 @@ def _claim_device(spec: RankSpec) -> str:
 def _join_group(spec: RankSpec, device: str) -> None:
     timeout = timedelta(seconds=spec.timeout_s * COLLECTIVE_TIMEOUT_FACTOR)
     store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False, timeout=timeout)
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=dist.PrefixStore("nnrun-tp", store),
-                            rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+    dist.init_process_group(
+        "nccl" if device.startswith("cuda") else "gloo",
+        store=dist.PrefixStore("nnrun-tp", store),
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timeout,
+    )
 
 
 def _serve_steps(runner: ShardRunner, conn: Connection, rank: int) -> None:

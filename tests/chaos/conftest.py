@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 
 import pytest
+from chaos_helpers import TinyFacts, assert_clean
 
 import nnrun
-from chaos_helpers import TinyFacts, assert_clean
 
 
 @pytest.fixture(scope="session")

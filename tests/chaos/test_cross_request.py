@@ -15,12 +15,12 @@ import traceback
 
 import pytest
 import torch
+from chaos_helpers import WAIT_S, co_scheduled
 
 import nnrun
-from chaos_helpers import WAIT_S, co_scheduled
-from tolerance import assert_close_packed
 from interleaver.batcher import InvalidWriteError
 from nnrun.engine_core import StepFailedError
+from tolerance import assert_close_packed
 
 INNOCENT_PROMPTS = ["The Colosseum is in", "The Eiffel Tower is in", "Paris"]  # mixed lengths: decode padding
 
@@ -49,6 +49,7 @@ def hostile_generate(model, body, max_new_tokens: int = 6):
     def run():
         with model.generate("The Louvre is in", max_new_tokens=max_new_tokens) as tracer:
             body(model, tracer)
+
     return run
 
 
@@ -59,28 +60,33 @@ def test_nan_and_inf_written_every_step_stay_in_the_request_that_wrote_them(tiny
         for _ in tracer.all():
             model.model.layers[1].output[:] = value
 
-    *results, hostile = co_scheduled(tiny_facts.model.engine, innocents(tiny_facts)
-                                     + [hostile_generate(tiny_facts.model, body)], 4)
+    *results, hostile = co_scheduled(
+        tiny_facts.model.engine, innocents(tiny_facts) + [hostile_generate(tiny_facts.model, body)], 4
+    )
     check_innocents(tiny_facts, results)
     assert hostile is None  # its own rows are NaN, and greedy argmax takes a NaN row as HF does: no error
 
 
 # ---- 2. bad writes to samples, logits and activations ----------------------------------------------
-@pytest.mark.parametrize("write, match", [
-    (lambda m: m.samples.__setitem__(slice(None), 5000), "token id 5000 is outside the vocabulary"),
-    (lambda m: m.samples.__setitem__(slice(None), -1), "token id -1 is outside the vocabulary"),
-    (lambda m: setattr(m, "samples", torch.tensor([5000])), "token id 5000 is outside the vocabulary"),
-    (lambda m: setattr(m, "samples", torch.tensor([2.5])), "token ids must be integers"),
-    (lambda m: setattr(m, "logits", torch.full((1, 768), float("nan"))), "logits containing NaN"),
-    (lambda m: setattr(m, "logits", torch.zeros(1, 5)), "shape"),
-])
+@pytest.mark.parametrize(
+    "write, match",
+    [
+        (lambda m: m.samples.__setitem__(slice(None), 5000), "token id 5000 is outside the vocabulary"),
+        (lambda m: m.samples.__setitem__(slice(None), -1), "token id -1 is outside the vocabulary"),
+        (lambda m: setattr(m, "samples", torch.tensor([5000])), "token id 5000 is outside the vocabulary"),
+        (lambda m: setattr(m, "samples", torch.tensor([2.5])), "token ids must be integers"),
+        (lambda m: setattr(m, "logits", torch.full((1, 768), float("nan"))), "logits containing NaN"),
+        (lambda m: setattr(m, "logits", torch.zeros(1, 5)), "shape"),
+    ],
+)
 def test_a_bad_write_to_samples_or_logits_fails_only_its_request(tiny_facts, clean_after, write, match):
     def body(model, tracer):
         for _ in tracer.all():
             write(model)
 
-    *results, hostile = co_scheduled(tiny_facts.model.engine, innocents(tiny_facts)
-                                     + [hostile_generate(tiny_facts.model, body)], 4)
+    *results, hostile = co_scheduled(
+        tiny_facts.model.engine, innocents(tiny_facts) + [hostile_generate(tiny_facts.model, body)], 4
+    )
     check_innocents(tiny_facts, results)
     assert isinstance(hostile, InvalidWriteError) and match in str(hostile)
 
@@ -98,12 +104,15 @@ def test_nan_logits_under_sampling_fail_only_their_request(tiny_facts, clean_aft
     assert isinstance(error, ValueError) and "no token can be sampled" in str(error)
 
 
-@pytest.mark.parametrize("value, match", [
-    ("hello", "cannot assign str"),
-    (None, "cannot assign NoneType"),
-    (torch.zeros(1, 5, 192, device="meta"), "meta tensor"),
-    (torch.zeros(3, 3), "shape"),
-])
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("hello", "cannot assign str"),
+        (None, "cannot assign NoneType"),
+        (torch.zeros(1, 5, 192, device="meta"), "meta tensor"),
+        (torch.zeros(3, 3), "shape"),
+    ],
+)
 def test_a_bad_activation_write_raises_at_the_users_line(tiny_facts, clean_after, value, match):
     model = tiny_facts.model
 
@@ -127,7 +136,7 @@ def test_a_step_that_fails_after_an_edit_ends_only_the_editor_and_runs_again(tin
     def hostile():
         with model.trace("Paris is in"):
             ids = model.model.embed_tokens.input
-            model.model.embed_tokens.input = torch.full_like(ids, 10 ** 6)
+            model.model.embed_tokens.input = torch.full_like(ids, 10**6)
 
     def reader():
         with model.trace("The Louvre is in"):
@@ -141,8 +150,9 @@ def test_a_step_that_fails_after_an_edit_ends_only_the_editor_and_runs_again(tin
 
 
 # ---- 3. BaseException in a block -----------------------------------------------------------------
-@pytest.mark.parametrize("raised", [KeyboardInterrupt(), SystemExit(3), CustomStop("halt"),
-                                    pytest.fail.Exception("failed inside a block")])
+@pytest.mark.parametrize(
+    "raised", [KeyboardInterrupt(), SystemExit(3), CustomStop("halt"), pytest.fail.Exception("failed inside a block")]
+)
 def test_a_base_exception_in_a_block_reaches_its_caller_and_the_engine_serves_on(tiny_facts, clean_after, raised):
     model = tiny_facts.model
 
@@ -193,13 +203,16 @@ def nested_trace(model):
         model.model.layers[0].output.save()
 
 
-@pytest.mark.parametrize("nested", [
-    nested_trace,
-    lambda model: model.generate("Paris", max_new_tokens=2),
-    lambda model: model.engine.generate(["Paris"]),
-    lambda model: model.engine.submit("Paris"),
-    lambda model: model.engine.shutdown(),
-])
+@pytest.mark.parametrize(
+    "nested",
+    [
+        nested_trace,
+        lambda model: model.generate("Paris", max_new_tokens=2),
+        lambda model: model.engine.generate(["Paris"]),
+        lambda model: model.engine.submit("Paris"),
+        lambda model: model.engine.shutdown(),
+    ],
+)
 def test_a_nested_engine_call_in_a_block_raises_instead_of_deadlocking(tiny_facts, clean_after, nested):
     model = tiny_facts.model
 
@@ -241,11 +254,11 @@ def test_a_trace_larger_than_the_kv_pool_is_refused():
 # ---- all of it at once -----------------------------------------------------------------------------
 HOSTILE_BODIES = [
     lambda model: model.model.layers[1].output.__setitem__(slice(None), float("nan")),
-    lambda model: model.samples.__setitem__(slice(None), 10 ** 6),
+    lambda model: model.samples.__setitem__(slice(None), 10**6),
     lambda model: setattr(model.model.layers[0], "output", "not a tensor"),
     lambda model: (_ for _ in ()).throw(KeyboardInterrupt()),
     lambda model: model.engine.generate(["Paris"]),
-    lambda model: setattr(model.model.embed_tokens, "input", torch.full((1, 5), 10 ** 6)),
+    lambda model: setattr(model.model.embed_tokens, "input", torch.full((1, 5), 10**6)),
 ]
 
 
@@ -258,6 +271,7 @@ def test_rounds_of_mixed_hostile_traces_leave_innocents_exact(tiny_facts, clean_
             with model.generate("The Louvre is in", max_new_tokens=4) as tracer:
                 for _ in tracer.all():
                     body(model)
+
         return run
 
     for _ in range(3):  # bounded: three rounds of six hostile traces beside three innocents

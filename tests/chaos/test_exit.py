@@ -31,7 +31,10 @@ CRASH_MARKERS = ("terminate called", "Fatal Python error", "Segmentation fault",
 
 SCENARIOS = {  # name: (runs under --stress, the exit code every run must have, the script)
     # Two engines (a LanguageModel and a plain LLM), neither shut down.
-    "no_shutdown": (50, 3, """
+    "no_shutdown": (
+        50,
+        3,
+        """
         import sys
         import nnrun
 
@@ -40,9 +43,13 @@ SCENARIOS = {  # name: (runs under --stress, the exit code every run must have, 
             hidden = model.model.layers[1].output.save()
         nnrun.LLM("tiny-facts").generate(["The Colosseum is in"], nnrun.SamplingParams(max_tokens=4))
         sys.exit(3)
-    """),
+    """,
+    ),
     # Daemon threads still generating (a traced generation and a plain one) when the main thread exits.
-    "daemon_generation": (50, 3, """
+    "daemon_generation": (
+        50,
+        3,
+        """
         import sys
         import threading
         import nnrun
@@ -63,9 +70,13 @@ SCENARIOS = {  # name: (runs under --stress, the exit code every run must have, 
         threading.Thread(target=plain, daemon=True).start()
         started.wait(30)
         sys.exit(3)
-    """),
+    """,
+    ),
     # A daemon thread's block loops forever: the engine thread is inside it at exit.
-    "looping_block": (50, 3, """
+    "looping_block": (
+        50,
+        3,
+        """
         import sys
         import threading
         import nnrun
@@ -83,9 +94,13 @@ SCENARIOS = {  # name: (runs under --stress, the exit code every run must have, 
         threading.Thread(target=loop, daemon=True).start()
         started.wait(30)
         sys.exit(3)
-    """),
+    """,
+    ),
     # A non-daemon thread's generation: the interpreter waits for it, then exits.
-    "non_daemon_generation": (20, 3, """
+    "non_daemon_generation": (
+        20,
+        3,
+        """
         import sys
         import threading
         import nnrun
@@ -102,18 +117,26 @@ SCENARIOS = {  # name: (runs under --stress, the exit code every run must have, 
         threading.Thread(target=traced).start()
         started.wait(30)
         sys.exit(3)
-    """),
+    """,
+    ),
     # Exit through an unhandled exception (code 1), engine not shut down.
-    "unhandled_exception": (20, 1, """
+    "unhandled_exception": (
+        20,
+        1,
+        """
         import nnrun
 
         model = nnrun.LanguageModel("tiny-facts")
         with model.trace("The Eiffel Tower is in"):
             hidden = model.model.layers[1].output.save()
         raise ValueError("the script fails after its trace")
-    """),
+    """,
+    ),
     # A block that swallows every exception in its loop: the engine thread is parked at exit.
-    "swallowing_block": (10, 3, """
+    "swallowing_block": (
+        10,
+        3,
+        """
         import sys
         import threading
         import nnrun
@@ -135,7 +158,8 @@ SCENARIOS = {  # name: (runs under --stress, the exit code every run must have, 
         threading.Thread(target=loop, daemon=True).start()
         started.wait(30)
         sys.exit(3)
-    """),
+    """,
+    ),
 }
 
 FORK_SERVER = f"""
@@ -231,8 +255,12 @@ def test_every_run_exits_with_its_own_code(forked_runs, scenario, request):
     codes = results[scenario]
     assert len(codes) == runs
     failures = {run: got for run, got in codes.items() if got != code}
-    crashes = {run: marker for run in codes for marker in CRASH_MARKERS
-               if marker in (logs / f"{scenario}-{run}.log").read_text(errors="replace")}
+    crashes = {
+        run: marker
+        for run in codes
+        for marker in CRASH_MARKERS
+        if marker in (logs / f"{scenario}-{run}.log").read_text(errors="replace")
+    }
     example = next(iter(failures or crashes), None)
     detail = "" if example is None else (logs / f"{scenario}-{example}.log").read_text(errors="replace")[-2000:]
     assert not failures and not crashes, (
@@ -247,8 +275,9 @@ def test_fresh_interpreters_exit_with_their_own_code(tmp_path):
     names = ["no_shutdown", "daemon_generation", "looping_block"] * 2
 
     def run(name: str) -> tuple[str, subprocess.CompletedProcess]:
-        return name, subprocess.run([sys.executable, str(scripts[name])], env=_env(), capture_output=True,
-                                    text=True, timeout=RUN_TIMEOUT_S * 2)
+        return name, subprocess.run(
+            [sys.executable, str(scripts[name])], env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S * 2
+        )
 
     with ThreadPoolExecutor(PARALLEL) as pool:
         for name, proc in pool.map(run, names):

@@ -10,12 +10,18 @@ import shutil
 import warnings
 
 import pytest
-from model_zoo import make_model, random_prompts
 
 import nnrun
+from model_zoo import make_model, random_prompts
 from nnrun.cli import main
-from nnrun.extract import (DamagedFolderError, FolderRepairWarning, InputError, SettingsMismatchError, extract,
-                           load_activations)
+from nnrun.extract import (
+    DamagedFolderError,
+    FolderRepairWarning,
+    InputError,
+    SettingsMismatchError,
+    extract,
+    load_activations,
+)
 from nnrun.extract.manifest import FORMAT, Manifest
 
 MODEL = "tiny-facts"  # the bundled model, for the command line
@@ -40,8 +46,7 @@ def _prompts() -> list:
 
 
 def _extract(llm, prompts, out_dir, **kwargs):
-    return extract(llm, prompts, MODULES, out_dir, shard_tokens=SHARD_TOKENS, on_error="skip", progress=False,
-                   **kwargs)
+    return extract(llm, prompts, MODULES, out_dir, shard_tokens=SHARD_TOKENS, on_error="skip", progress=False, **kwargs)
 
 
 def _files(folder) -> dict[str, str]:
@@ -58,6 +63,7 @@ def reference(llm, tmp_path_factory):
 
 
 # ---- item 1: a complete folder re-run with another input ----------------------------------------
+
 
 @pytest.mark.parametrize("num_old", [0, 3, 5, 9, 11, 16])
 def test_complete_folder_with_appended_input_is_extended_byte_identical(llm, reference, tmp_path, num_old):
@@ -113,8 +119,18 @@ def test_complete_folder_with_other_input_is_refused(llm, reference, tmp_path, c
 def test_cli_extends_an_appended_input_and_refuses_another(tmp_path, capsys):
     lines = [f"the cat sat on the mat {i}" if i % 3 else f"a dog ran in the park {i}" for i in range(12)]
     path = tmp_path / "p.txt"
-    args = ["extract", "--model", MODEL, "--input", str(path), "--module", "model.layers.0", "--shard-tokens", "30",
-            "-q"]
+    args = [
+        "extract",
+        "--model",
+        MODEL,
+        "--input",
+        str(path),
+        "--module",
+        "model.layers.0",
+        "--shard-tokens",
+        "30",
+        "-q",
+    ]
     path.write_text("\n".join(lines) + "\n")
     assert main([*args, "--out", str(tmp_path / "ref")]) == 0
     path.write_text("\n".join(lines[:7]) + "\n")
@@ -130,6 +146,7 @@ def test_cli_extends_an_appended_input_and_refuses_another(tmp_path, capsys):
 
 
 # ---- item 2: corrupted shards and manifests -----------------------------------------------------
+
 
 def _flip(path, position: int, mask: int = 0x01) -> None:
     data = bytearray(path.read_bytes())
@@ -162,29 +179,41 @@ def _corrupt(folder, kind: str) -> str:
     elif kind == "flipped_data":
         _flip(shard, size - 1, 0x80)
     elif kind == "flipped_header":
-        header = shard.read_bytes()[: 200]
+        header = shard.read_bytes()[:200]
         _flip(shard, header.index(b'shape":[') + 8, 0x01)  # a shape's first digit: still valid JSON
     elif kind == "truncated":
         shard.write_bytes(shard.read_bytes()[:-8])
     elif kind == "missing":
         shard.unlink()
     elif kind in ("offset", "token_offset"):
+
         def edit(data, column=kind):
             row = _first_row_of_shard(data, 1) + 1
             data["prompts"][column][row] += 1
+
         _edit_manifest(folder, edit)
         return "manifest.json"
     elif kind == "manifest_sha256":
+
         def edit(data):
             data["shards"][1]["sha256"] = "0" * 64
+
         _edit_manifest(folder, edit)
     else:
         raise AssertionError(kind)
     return SHARD_1
 
 
-CORRUPTIONS = ["zeroed", "flipped_data", "flipped_header", "truncated", "missing", "offset", "token_offset",
-               "manifest_sha256"]
+CORRUPTIONS = [
+    "zeroed",
+    "flipped_data",
+    "flipped_header",
+    "truncated",
+    "missing",
+    "offset",
+    "token_offset",
+    "manifest_sha256",
+]
 
 
 def test_intact_folder_verifies(reference, capsys):
@@ -249,6 +278,7 @@ def test_damage_that_names_no_shard_is_refused(llm, reference, tmp_path, capsys)
 
     def edit(data):
         data["num_consumed"] = 2  # fewer input items than the prompts it lists
+
     _edit_manifest(tmp_path, edit)
     before = _files(tmp_path)
     with pytest.raises(DamagedFolderError, match=r"manifest.json.*num_consumed.*new --out folder"):
@@ -270,6 +300,7 @@ def test_cli_verify_is_its_own_mode(tmp_path, capsys):
 
 
 # ---- item 3: text that is not valid Unicode ----------------------------------------------------
+
 
 def test_lone_surrogate_in_a_python_prompt_follows_on_error(tiny_llm, tmp_path):
     llm, tokenizer = tiny_llm
@@ -318,9 +349,12 @@ def test_tokenizer_failure_on_one_item_follows_on_error(tiny_llm, tmp_path, monk
     extract(llm, prompts, "model.layers.0", tmp_path / "skip", on_error="skip", progress=False)
     store = load_activations(tmp_path / "skip")
     assert [store[i].input_index for i in range(len(store))] == [0, 2, 3]
-    assert store.skipped == [{"index": 1, "line": None,
-                              "reason": "the tokenizer failed: ValueError: the tokenizer cannot encode this text"}]
-    assert [store[i].token_ids.tolist() for i in range(3)] == [tokenizer(p)["input_ids"] for p in prompts if p != "boom"]
+    assert store.skipped == [
+        {"index": 1, "line": None, "reason": "the tokenizer failed: ValueError: the tokenizer cannot encode this text"}
+    ]
+    assert [store[i].token_ids.tolist() for i in range(3)] == [
+        tokenizer(p)["input_ids"] for p in prompts if p != "boom"
+    ]
     with pytest.raises(InputError, match="item 1: the tokenizer failed"):
         extract(llm, prompts, "model.layers.0", tmp_path / "stop", progress=False)
     with warnings.catch_warnings():

@@ -35,8 +35,7 @@ print("call under a trace function returned", flush=True)
 
 def run_bounded(script: str) -> str:
     body = textwrap.dedent(script) + CALL_UNDER_A_TRACE_FUNCTION
-    completed = subprocess.run([sys.executable, "-c", body], cwd=REPO, capture_output=True, text=True,
-                               timeout=BOUND_S)
+    completed = subprocess.run([sys.executable, "-c", body], cwd=REPO, capture_output=True, text=True, timeout=BOUND_S)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "call under a trace function returned" in completed.stdout, completed.stdout
     return completed.stdout

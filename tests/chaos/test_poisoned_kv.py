@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-import torch
 
 import nnrun
 from fake_flashinfer import make_fake_flashinfer
@@ -39,15 +38,18 @@ def run(family: str, backend: str, poison_value: float | None) -> list:
     with nnrun.LLM(make_model(family), page_size=4, max_total_tokens=512) as llm:
         if backend == "flashinfer":
             runner = llm.runner
-            runner.attn_backend = FlashInferAttnBackend(runner.kv_pool, runner.device, runner.layers,
-                                                       workspace_bytes=1 << 16)
+            runner.attn_backend = FlashInferAttnBackend(
+                runner.kv_pool, runner.device, runner.layers, workspace_bytes=1 << 16
+            )
         if poison_value is not None:
             poison(llm, poison_value)
         # The lowest pages, where padding rows point, are held as a finished request leaves them: stale.
         stale_pages = llm.runner.allocator.alloc(2)
         first = [llm.make_request(p, PARAMS) for p in random_prompts([3, 17, 9], seed=1)]
-        second = [llm.make_request(p, PARAMS, request_id=f"late-{i}")
-                  for i, p in enumerate(random_prompts([21, 2, 6], seed=2))]
+        second = [
+            llm.make_request(p, PARAMS, request_id=f"late-{i}")
+            for i, p in enumerate(random_prompts([21, 2, 6], seed=2))
+        ]
         for req in first:
             llm.core.add_request(req)
         for _ in range(3):  # a prefill, then decode steps of mixed lengths (padding rows)

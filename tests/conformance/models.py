@@ -31,9 +31,18 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 def tiny_llama(seed: int = 0, num_layers: int = 3) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     model = LlamaForCausalLM(config).eval()
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = None
@@ -50,6 +59,16 @@ def oracle_and_nnrun(model: torch.nn.Module, tokenizer) -> tuple:
     import nnrun
 
     return hf_language_model(twin(model), tokenizer), nnrun.LanguageModel(model, tokenizer=tokenizer)
+
+
+def bundled_pair(name: str) -> tuple:
+    """`oracle_and_nnrun` over one of nnrun's bundled models (`tiny-facts-gpt2`, ...), loaded from its folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nnrun.assets import bundled_model_path
+
+    path = bundled_model_path(name)
+    return oracle_and_nnrun(AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path))
 
 
 def hf_language_model(model: torch.nn.Module, tokenizer) -> "object":

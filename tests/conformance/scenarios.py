@@ -227,8 +227,13 @@ def invokes_of_different_lengths(model, tok):
         with tracer.invoke(C):
             c = model.model.layers[1].output.save()
     na, nb, nc = n_tokens(tok, A), n_tokens(tok, B), n_tokens(tok, C)
-    return {"a": Padded(a, [na]), "la": Padded(la, [na]), "b": Padded(b, [nb]), "lb": Padded(lb, [nb]),
-            "c": Padded(c, [nc])}
+    return {
+        "a": Padded(a, [na]),
+        "la": Padded(la, [na]),
+        "b": Padded(b, [nb]),
+        "lb": Padded(lb, [nb]),
+        "c": Padded(c, [nc]),
+    }
 
 
 @scenario

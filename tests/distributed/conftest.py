@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ray_helpers import BAD_LINES, JOB, MODEL, MODULES, NUM_THREADS, folder_hashes, job_prompts
 
 
@@ -21,8 +20,9 @@ def ray_address():
     """The address of a local Ray cluster with 2 CPU slots, shared by the session's tests."""
     ray = pytest.importorskip("ray")
     assert not ray.is_initialized()
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING",
-             log_to_driver=False)
+    ray.init(
+        num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING", log_to_driver=False
+    )
     try:
         yield ray.get_runtime_context().gcs_address
     finally:

@@ -8,11 +8,17 @@ from pathlib import Path
 
 MODEL = "tiny-facts"
 MODULES = ["model.layers.1", "model.layers.2.mlp.input"]
-WORDS = ("the cat sat on a mat while dogs ran in parks near paris and rome where people eat bread "
-         "with cheese before going to work at the museum of art every day").split()
+WORDS = (
+    "the cat sat on a mat while dogs ran in parks near paris and rome where people eat bread "
+    "with cheese before going to work at the museum of art every day"
+).split()
 # Small shards and forward batches: many ranges, each several forwards long, so a kill lands mid-range.
-JOB = {"shard_tokens": 600, "llm_kwargs": {"device": "cpu", "max_num_batched_tokens": 96}, "progress": False,
-       "on_error": "skip"}
+JOB = {
+    "shard_tokens": 600,
+    "llm_kwargs": {"device": "cpu", "max_num_batched_tokens": 96},
+    "progress": False,
+    "on_error": "skip",
+}
 BAD_LINES = (45, 200)  # empty lines of the input file: skipped items recorded in the manifest
 NUM_THREADS = 1  # CPU float results depend on torch's thread count; each engine uses 1 (RayExecutor default)
 

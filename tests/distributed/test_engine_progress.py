@@ -98,10 +98,28 @@ def test_cli_verbose_shows_a_line_per_engine(ray_address, prompts_file, tmp_path
     from nnrun.cli import main
 
     out = tmp_path / "out"
-    argv = ["extract", "--model", MODEL, "--input", str(prompts_file), "--module", *MODULES, "--out", str(out),
-            "--shard-tokens", str(JOB["shard_tokens"]),
-            "--batch-tokens", str(JOB["llm_kwargs"]["max_num_batched_tokens"]),
-            "--on-error", "skip", "--ray", ray_address, "--engines", "2", "-v"]
+    argv = [
+        "extract",
+        "--model",
+        MODEL,
+        "--input",
+        str(prompts_file),
+        "--module",
+        *MODULES,
+        "--out",
+        str(out),
+        "--shard-tokens",
+        str(JOB["shard_tokens"]),
+        "--batch-tokens",
+        str(JOB["llm_kwargs"]["max_num_batched_tokens"]),
+        "--on-error",
+        "skip",
+        "--ray",
+        ray_address,
+        "--engines",
+        "2",
+        "-v",
+    ]
     assert main(argv) == 0
     err = capsys.readouterr().err
     manifest = Manifest.load(out)

@@ -78,13 +78,36 @@ def test_engine_killed_mid_range_is_restarted_by_ray(ray_address, prompts_file, 
 
 def test_killed_driver_resumes_byte_identical(ray_address, prompts_file, reference, tmp_path):
     out = tmp_path / "out"
-    argv = ["extract", "--model", MODEL, "--input", str(prompts_file), "--module", *MODULES, "--out", str(out),
-            "--shard-tokens", str(JOB["shard_tokens"]), "--batch-tokens", str(JOB["llm_kwargs"]["max_num_batched_tokens"]),
-            "--on-error", "skip", "--ray", ray_address, "--engines", "2", "--quiet"]
+    argv = [
+        "extract",
+        "--model",
+        MODEL,
+        "--input",
+        str(prompts_file),
+        "--module",
+        *MODULES,
+        "--out",
+        str(out),
+        "--shard-tokens",
+        str(JOB["shard_tokens"]),
+        "--batch-tokens",
+        str(JOB["llm_kwargs"]["max_num_batched_tokens"]),
+        "--on-error",
+        "skip",
+        "--ray",
+        ray_address,
+        "--engines",
+        "2",
+        "--quiet",
+    ]
     log = tmp_path / "driver.log"
     with open(log, "wb") as stream:
-        driver = subprocess.Popen([sys.executable, "-c", "import sys; from nnrun.cli import main; sys.exit(main())",
-                                   *argv], cwd=REPO, stdout=stream, stderr=subprocess.STDOUT)
+        driver = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from nnrun.cli import main; sys.exit(main())", *argv],
+            cwd=REPO,
+            stdout=stream,
+            stderr=subprocess.STDOUT,
+        )
     try:
         _wait_for(lambda: _num_committed(out) >= 1 or driver.poll() is not None, 180, "the driver's first commit")
         driver.send_signal(signal.SIGKILL)

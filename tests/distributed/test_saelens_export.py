@@ -21,8 +21,7 @@ CONTEXT = 16
 def exported(tmp_path_factory):
     out = tmp_path_factory.mktemp("sae")
     extract(MODEL, job_prompts(40, seed=2), [MODULE], out / "acts", shard_tokens=200, progress=False)
-    return out / "acts", export_saelens(out / "acts", MODULE, out / "cache", context_size=CONTEXT,
-                                         contexts_per_write=7)
+    return out / "acts", export_saelens(out / "acts", MODULE, out / "cache", context_size=CONTEXT, contexts_per_write=7)
 
 
 def test_format_is_what_saelens_loads(exported):
@@ -42,7 +41,9 @@ def test_format_is_what_saelens_loads(exported):
     rows = torch.cat([store[i][MODULE] for i in range(len(store))])  # the folder's tokens in input order
     ids = torch.cat([store[i].token_ids for i in range(len(store))])
     num_kept = export.num_contexts * CONTEXT
-    assert export.num_contexts == store.num_tokens // CONTEXT and export.num_dropped_tokens == store.num_tokens - num_kept
+    assert (
+        export.num_contexts == store.num_tokens // CONTEXT and export.num_dropped_tokens == store.num_tokens - num_kept
+    )
     assert torch.equal(activations.reshape(-1, 192), rows[:num_kept])
     assert torch.equal(token_ids.reshape(-1).to(torch.int32), ids[:num_kept])
 
@@ -57,14 +58,35 @@ def test_saelens_trains_an_sae_from_an_nnrun_folder(exported):
     _, export = exported
     num_steps, batch = 4, 32
     store = ActivationsStore(
-        model=None, dataset=None, streaming=False, hook_name=export.hook_name, hook_head_index=None,
-        context_size=CONTEXT, d_in=export.d_in, n_batches_in_buffer=2, total_training_tokens=num_steps * batch,
-        store_batch_size_prompts=4, train_batch_size_tokens=batch, prepend_bos=False, normalize_activations="none",
-        device=torch.device("cpu"), dtype="float32", cached_activations_path=export.path)
+        model=None,
+        dataset=None,
+        streaming=False,
+        hook_name=export.hook_name,
+        hook_head_index=None,
+        context_size=CONTEXT,
+        d_in=export.d_in,
+        n_batches_in_buffer=2,
+        total_training_tokens=num_steps * batch,
+        store_batch_size_prompts=4,
+        train_batch_size_tokens=batch,
+        prepend_bos=False,
+        normalize_activations="none",
+        device=torch.device("cpu"),
+        dtype="float32",
+        cached_activations_path=export.path,
+    )
     sae = StandardTrainingSAE(StandardTrainingSAEConfig(d_in=export.d_in, d_sae=64, dtype="float32", device="cpu"))
     before = sae.W_enc.detach().clone()
-    trainer = SAETrainer(SAETrainerConfig(total_training_samples=num_steps * batch, train_batch_size_samples=batch,
-                                          lr_end=3e-4, n_batches_for_norm_estimate=1), sae, data_provider=store)
+    trainer = SAETrainer(
+        SAETrainerConfig(
+            total_training_samples=num_steps * batch,
+            train_batch_size_samples=batch,
+            lr_end=3e-4,
+            n_batches_for_norm_estimate=1,
+        ),
+        sae,
+        data_provider=store,
+    )
     trainer.fit()
     assert trainer.n_training_steps == num_steps
     assert not torch.equal(sae.W_enc, before)

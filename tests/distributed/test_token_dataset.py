@@ -35,8 +35,7 @@ def _counts(rows: torch.Tensor) -> Counter:
 
 
 def _rank_rows(folder, rank: int, world_size: int, num_workers: int, **kwargs) -> list[torch.Tensor]:
-    dataset = TokenDataset(folder, MODULE, batch_size=32, seed=7, rank=rank, world_size=world_size, **SMALL,
-                           **kwargs)
+    dataset = TokenDataset(folder, MODULE, batch_size=32, seed=7, rank=rank, world_size=world_size, **SMALL, **kwargs)
     return list(DataLoader(dataset, batch_size=None, num_workers=num_workers))
 
 

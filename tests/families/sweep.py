@@ -40,7 +40,7 @@ def hf_oracle(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[list[int
             ids = list(prompt)
             for _ in range(NUM_GREEDY_TOKENS):
                 ids.append(int(model(input_ids=torch.tensor([ids]), **no_cache).logits[0, -1].argmax()))
-            continuations.append(ids[len(prompt):])
+            continuations.append(ids[len(prompt) :])
     return logits, continuations
 
 
@@ -71,8 +71,9 @@ def check_family(model_type: str) -> FamilyResult:
             return FamilyResult(model_type, "not built", f"HF's own forward fails: {hf_error}")
         try:
             logits = _packed_trace_logits(lm)
-            outputs = lm.engine.generate([list(p) for p in PROMPTS],
-                                         SamplingParams(max_tokens=NUM_GREEDY_TOKENS, temperature=0, ignore_eos=True))
+            outputs = lm.engine.generate(
+                [list(p) for p in PROMPTS], SamplingParams(max_tokens=NUM_GREEDY_TOKENS, temperature=0, ignore_eos=True)
+            )
             exact = lm.engine.runner.exact_forward
         finally:
             lm.shutdown()

@@ -80,9 +80,13 @@ No family gives numbers that differ from HF's: the sweep fails if one does. Gene
 def render(results: list[FamilyResult]) -> str:
     counts = {name: sum(r.path == path for r in results) for path, name in PATH_NAMES.items()}
     count_line = ", ".join(f"{n} {name}" for name, n in counts.items())
-    text = HEADER.format(version=transformers.__version__, num_prompts=len(PROMPTS),
-                         lengths=", ".join(str(len(p)) for p in PROMPTS), num_greedy=NUM_GREEDY_TOKENS,
-                         counts=f"{len(results)} families: {count_line}.")
+    text = HEADER.format(
+        version=transformers.__version__,
+        num_prompts=len(PROMPTS),
+        lengths=", ".join(str(len(p)) for p in PROMPTS),
+        num_greedy=NUM_GREEDY_TOKENS,
+        counts=f"{len(results)} families: {count_line}.",
+    )
     for result in results:
         why = result.detail.replace("|", "\\|").replace("\n", " ")
         text += f"| `{result.model_type}` | {PATH_NAMES[result.path]} | {why} |\n"

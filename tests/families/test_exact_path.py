@@ -22,8 +22,15 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -32,9 +39,10 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int = 4) ->
     """HF's own greedy generation of one prompt alone, with HF's own cache (no EOS: every step runs)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ids = model.generate(torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return ids[0, len(prompt):].tolist()
+        ids = model.generate(
+            torch.tensor([prompt]), max_new_tokens=num_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return ids[0, len(prompt) :].tolist()
 
 
 def tokens_of(outputs) -> list[list[int]]:
@@ -146,9 +154,12 @@ def test_exact_path_extracts_each_prompts_own_values(tmp_path):
     store = load_activations(tmp_path)
     for i, prompt in enumerate(PROMPTS):
         captured = {}
-        handles = [model.get_submodule(path).register_forward_hook(
-            lambda m, a, out, path=path: captured.__setitem__(path, (out[0] if isinstance(out, tuple) else out)[0]))
-            for path in modules]
+        handles = [
+            model.get_submodule(path).register_forward_hook(
+                lambda m, a, out, path=path: captured.__setitem__(path, (out[0] if isinstance(out, tuple) else out)[0])
+            )
+            for path in modules
+        ]
         with torch.no_grad():
             model(input_ids=torch.tensor([prompt]))
         for handle in handles:
@@ -160,7 +171,8 @@ def test_exact_path_extracts_each_prompts_own_values(tmp_path):
 
 @pytest.fixture(scope="module")
 def nnsight_models():
-    from conformance.models import hf_language_model, tiny_llama as conformance_llama, tiny_tokenizer, twin
+    from conformance.models import hf_language_model, tiny_tokenizer, twin
+    from conformance.models import tiny_llama as conformance_llama
 
     tokenizer = tiny_tokenizer()
     model = conformance_llama()
@@ -178,15 +190,24 @@ BARRIERS = ("barrier_shares_embeddings",)
 
 
 # The fast tier runs these; `make test-all` runs every scenario.
-FAST_SCENARIOS = ("save_layer_outputs", "invokes_of_different_lengths", "activation_patching",
-                  "steering_during_generation", "gradient_of_loss", "source_attention_interface", "list_invoke",
-                  "barrier_shares_embeddings")
+FAST_SCENARIOS = (
+    "save_layer_outputs",
+    "invokes_of_different_lengths",
+    "activation_patching",
+    "steering_during_generation",
+    "gradient_of_loss",
+    "source_attention_interface",
+    "list_invoke",
+    "barrier_shares_embeddings",
+)
 
 
 def _scenarios() -> list:
     from conformance.scenarios import SCENARIOS
 
-    return [name if name in FAST_SCENARIOS else pytest.param(name, marks=pytest.mark.slow) for name in sorted(SCENARIOS)]
+    return [
+        name if name in FAST_SCENARIOS else pytest.param(name, marks=pytest.mark.slow) for name in sorted(SCENARIOS)
+    ]
 
 
 @pytest.mark.parametrize("name", _scenarios())
@@ -263,8 +284,9 @@ def test_an_encoder_only_head_is_refused_naming_family_and_reason():
 
     from nnrun.exact import ModelRefusedError
 
-    config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=128)
+    config = BertConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+    )
     with pytest.raises(ModelRefusedError, match=r"bert: BertForMaskedLM cannot generate text .*encoder-only"):
         nnrun.LLM(BertForMaskedLM(config).eval())
 
@@ -277,8 +299,10 @@ def test_serve_and_extract_commands_take_the_exact_path(tmp_path, capsys):
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert build_config(parser.parse_args(["tiny-facts", "--forward-path", "exact"])).engine_kwargs["forward_path"] \
+    assert (
+        build_config(parser.parse_args(["tiny-facts", "--forward-path", "exact"])).engine_kwargs["forward_path"]
         == "exact"
+    )
     prompts = tmp_path / "p.txt"
     prompts.write_text("the cat sat\nparis is the capital of\n")
     args = ["extract", "--model", "tiny-facts", "--input", str(prompts), "--module", "model.layers.1", "--quiet"]

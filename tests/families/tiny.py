@@ -14,20 +14,52 @@ MAX_POSITIONS = 256
 
 # Config attribute -> the tiny value it gets, when the config has it (names vary by family).
 _SIZES = {
-    "hidden_size": 64, "d_model": 64, "n_embd": 64, "n_embed": 64, "hidden_dim": 64, "embed_dim": 64,
-    "word_embed_proj_dim": 64, "dim": 64,
-    "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "d_ff": 128, "decoder_ffn_dim": 128,
-    "encoder_ffn_dim": 128, "ffn_hidden_size": 128, "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32, "expert_intermediate_size": 32,
-    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4, "decoder_attention_heads": 4,
-    "encoder_attention_heads": 4, "head_dim": 16, "kv_channels": 16,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "n_group": 1, "topk_group": 1,
-    "vocab_size": VOCAB_SIZE, "rotary_dim": 8,
+    "hidden_size": 64,
+    "d_model": 64,
+    "n_embd": 64,
+    "n_embed": 64,
+    "hidden_dim": 64,
+    "embed_dim": 64,
+    "word_embed_proj_dim": 64,
+    "dim": 64,
+    "intermediate_size": 128,
+    "ffn_dim": 128,
+    "n_inner": 128,
+    "d_ff": 128,
+    "decoder_ffn_dim": 128,
+    "encoder_ffn_dim": 128,
+    "ffn_hidden_size": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "expert_intermediate_size": 32,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "n_heads": 4,
+    "num_heads": 4,
+    "decoder_attention_heads": 4,
+    "encoder_attention_heads": 4,
+    "head_dim": 16,
+    "kv_channels": 16,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "top_k": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "vocab_size": VOCAB_SIZE,
+    "rotary_dim": 8,
     # multi-head latent attention (DeepSeek-style): its head dims and ranks
-    "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16, "kv_lora_rank": 32, "q_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
     # recurrent and state-space widths that default to the full model's
-    "attention_hidden_size": 64, "embedding_dim": 64,
+    "attention_hidden_size": 64,
+    "embedding_dim": 64,
 }
 
 # Families whose default config leaves a size unset (the hub's checkpoints set it), or whose layer
@@ -38,10 +70,14 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "hunyuan_v1_moe": {"head_dim": 16},
     "nemotron": {"head_dim": 16, "num_key_value_heads": 2},
     "gemma3n_text": {"num_kv_shared_layers": 0},
-    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"], "mamba_n_heads": 8,
-                         "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 16},
-    "falcon_h1": {"mamba_n_heads": 16, "mamba_d_head": 8, "mamba_n_groups": 1, "mamba_d_ssm": 128,
-                  "mamba_d_state": 16},
+    "granitemoehybrid": {
+        "layer_types": ["linear_attention", "full_attention"],
+        "mamba_n_heads": 8,
+        "mamba_d_head": 16,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 16,
+    },
+    "falcon_h1": {"mamba_n_heads": 16, "mamba_d_head": 8, "mamba_n_groups": 1, "mamba_d_ssm": 128, "mamba_d_state": 16},
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     "lfm2": {"layer_types": ["conv", "full_attention"]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
@@ -51,12 +87,28 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": (32, 32), "axial_pos_shape": (16, 16)},
     "deepseek_v2": {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 2},
 }
-_LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
-                 "num_decoder_layers", "num_encoder_layers")
+_LAYER_COUNTS = (
+    "num_hidden_layers",
+    "n_layer",
+    "num_layers",
+    "n_layers",
+    "decoder_layers",
+    "encoder_layers",
+    "num_decoder_layers",
+    "num_encoder_layers",
+)
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num")
 _LAYER_LISTS = ("layer_types", "layers_block_type", "block_types", "hybrid_override_pattern")
-_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
-              "cls_token_id", "mask_token_id", "unk_token_id")
+_TOKEN_IDS = (
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "decoder_start_token_id",
+    "sep_token_id",
+    "cls_token_id",
+    "mask_token_id",
+    "unk_token_id",
+)
 
 
 def causal_lm_families() -> list[str]:

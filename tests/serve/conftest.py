@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from serve_helpers import API_KEY, Client, ServerProcess
 
 
@@ -34,8 +33,18 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def server():
-    process = ServerProcess("--request-timeout", "60", "--block-timeout", "2", "--max-new-tokens", "64",
-                            "--max-in-flight", "48", "--max-body-mb", "1")
+    process = ServerProcess(
+        "--request-timeout",
+        "60",
+        "--block-timeout",
+        "2",
+        "--max-new-tokens",
+        "64",
+        "--max-in-flight",
+        "48",
+        "--max-body-mb",
+        "1",
+    )
     try:
         yield process.wait_ready()
     finally:

@@ -49,19 +49,30 @@ def main() -> int:
         lingering.append(sock)
         sent["slowloris"] += 1
         sock = connect(spec)
-        send_quietly(sock, f"POST /v1/nnsight/generate HTTP/1.1\r\nHost: x\r\nndif-api-key: {key}\r\n"
-                           "Content-Length: 100000\r\n\r\npartial".encode())  # never sends the rest
+        send_quietly(
+            sock,
+            f"POST /v1/nnsight/generate HTTP/1.1\r\nHost: x\r\nndif-api-key: {key}\r\n"
+            "Content-Length: 100000\r\n\r\npartial".encode(),
+        )  # never sends the rest
         lingering.append(sock)
         sent["stalled_bodies"] += 1
         exchange(spec, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Huge: " + b"h" * (512 * 1024) + b"\r\n\r\n")
         sent["huge_headers"] += 1
         payload = os.urandom(2048)
-        exchange(spec, f"POST /v1/nnsight/generate HTTP/1.1\r\nHost: x\r\nndif-api-key: {key}\r\n"
-                       f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+        exchange(
+            spec,
+            f"POST /v1/nnsight/generate HTTP/1.1\r\nHost: x\r\nndif-api-key: {key}\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload,
+        )
         sent["bad_payloads"] += 1
         body = b'{"model": "tiny-facts", "prompt": 5, "max_tokens": "lots", "stream": "yes"'
-        exchange(spec, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
-                       f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        exchange(
+            spec,
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body,
+        )
         sent["bad_json"] += 1
         while len(lingering) > 40:  # the server closes them after its timeouts; keep at most 40 around
             lingering.pop(0).close()

@@ -13,12 +13,17 @@ import sys
 
 
 def complete(spec: dict, prompt: str, stream: bool) -> str:
-    body = json.dumps({"model": "tiny-facts", "prompt": prompt, "max_tokens": spec["max_tokens"], "temperature": 0,
-                       "stream": stream})
+    body = json.dumps(
+        {"model": "tiny-facts", "prompt": prompt, "max_tokens": spec["max_tokens"], "temperature": 0, "stream": stream}
+    )
     connection = http.client.HTTPConnection(spec["host"], spec["port"], timeout=60)
     try:
-        connection.request("POST", "/v1/completions", body=body, headers={
-            "Authorization": f"Bearer {spec['api_key']}", "Content-Type": "application/json"})
+        connection.request(
+            "POST",
+            "/v1/completions",
+            body=body,
+            headers={"Authorization": f"Bearer {spec['api_key']}", "Content-Type": "application/json"},
+        )
         response = connection.getresponse()
         text = response.read().decode()
     finally:
@@ -33,8 +38,10 @@ def complete(spec: dict, prompt: str, stream: bool) -> str:
 
 def main() -> int:
     spec = json.loads(sys.argv[1])
-    results = {prompt: [complete(spec, prompt, stream=False), complete(spec, prompt, stream=True)]
-               for prompt in spec["prompts"]}
+    results = {
+        prompt: [complete(spec, prompt, stream=False), complete(spec, prompt, stream=True)]
+        for prompt in spec["prompts"]
+    }
     with open(spec["out"], "w") as out:
         json.dump(results, out)
     return 0

@@ -10,9 +10,9 @@ import json
 import sys
 
 import torch
+from workloads import WORKLOADS
 
 import nnrun
-from workloads import WORKLOADS
 
 
 def main() -> int:

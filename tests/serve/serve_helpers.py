@@ -42,12 +42,23 @@ class ServerProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        command = [sys.executable, "-m", "nnrun.cli", "serve", "tiny-facts", "--port", str(self.port),
-                   "--log-level", "warning", *args]
+        command = [
+            sys.executable,
+            "-m",
+            "nnrun.cli",
+            "serve",
+            "tiny-facts",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+            *args,
+        ]
         if api_key is not None:
             command += ["--api-key", api_key]
-        self.process = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True)
+        self.process = subprocess.Popen(
+            command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> "ServerProcess":
         deadline = time.monotonic() + timeout
@@ -95,8 +106,14 @@ class Client:
     def __init__(self, url: str, workloads: list[str], out: Path, api_key: str | None = API_KEY) -> None:
         self.out = out
         spec = {"url": url, "api_key": api_key, "workloads": workloads, "out": str(out)}
-        self.process = subprocess.Popen([sys.executable, str(HERE / "run_client.py"), json.dumps(spec)], cwd=REPO,
-                                        env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, str(HERE / "run_client.py"), json.dumps(spec)],
+            cwd=REPO,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def result(self, timeout: float = CLIENT_TIMEOUT_S) -> dict:
         import torch
@@ -106,7 +123,7 @@ class Client:
         except subprocess.TimeoutExpired:
             self.process.kill()
             output, _ = self.process.communicate(timeout=30)
-            raise AssertionError(f"client did not finish within {timeout} s:\n{output}")
+            raise AssertionError(f"client did not finish within {timeout} s:\n{output}") from None
         assert self.process.returncode == 0, f"client failed ({self.process.returncode}):\n{output}"
         return torch.load(self.out, weights_only=False)
 
@@ -133,8 +150,9 @@ def read_until_closed(sock: socket.socket, timeout: float) -> bytes:
     except ConnectionResetError:
         pass
     except socket.timeout:
-        raise AssertionError(f"the server did not close the connection within {timeout} s; it sent "
-                             f"{received[:200]!r}") from None
+        raise AssertionError(
+            f"the server did not close the connection within {timeout} s; it sent {received[:200]!r}"
+        ) from None
     return received
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import linecache
 import textwrap
 
-import pytest
 import torch
+
 from nnsight.tracing.globals import BLOCKS, SOURCES
 
 from nnrun.serve import payload, trace_route, wire
@@ -109,4 +109,3 @@ def test_a_full_cache_forgets_idle_blocks_only():
     cache.release(again)
     assert len(cache) == 1 and second.filename in linecache.cache  # idle, within the size: kept for the next
     second.forget()
-

@@ -9,9 +9,9 @@ import time
 
 import httpx
 import pytest
+from serve_helpers import API_KEY, ServerProcess, raw_socket, read_until_closed, rss_bytes
 
 import nnrun
-from serve_helpers import API_KEY, ServerProcess, raw_socket, read_until_closed, rss_bytes
 
 pytestmark = pytest.mark.slow
 
@@ -23,8 +23,16 @@ PROMPT = "The Colosseum is in"
 
 @pytest.fixture(scope="module")
 def limited():
-    process = ServerProcess("--max-body-mb", str(MAX_BODY_MB), "--body-timeout", str(BODY_TIMEOUT_S),
-                            "--max-in-flight", "2", "--max-new-tokens", "16")
+    process = ServerProcess(
+        "--max-body-mb",
+        str(MAX_BODY_MB),
+        "--body-timeout",
+        str(BODY_TIMEOUT_S),
+        "--max-in-flight",
+        "2",
+        "--max-new-tokens",
+        "16",
+    )
     try:
         yield process.wait_ready()
     finally:
@@ -32,8 +40,10 @@ def limited():
 
 
 def request_head(path: str, extra: str) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
-            f"Content-Type: application/json\r\n{extra}\r\n").encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\n{extra}\r\n"
+    ).encode()
 
 
 def send_until_answered(sock, total_bytes: int, chunk_bytes: int = 64 * 2**10) -> tuple[int, bytes]:
@@ -78,8 +88,9 @@ def test_stalled_bodies_hold_no_in_flight_slot_and_are_dropped_after_the_body_ti
         stalled.append((sock, time.monotonic()))
     try:
         body = {"model": "tiny-facts", "prompt": PROMPT, "max_tokens": 6, "temperature": 0}
-        answer = httpx.post(f"{limited.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
-                            timeout=30)
+        answer = httpx.post(
+            f"{limited.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30
+        )
         assert answer.status_code == 200, answer.text  # not 429: the stalled requests hold no slot
         expected = local_model.engine.generate(PROMPT, nnrun.SamplingParams(max_tokens=6, temperature=0))[0]
         assert answer.json()["choices"][0]["text"] == expected.outputs[0].text

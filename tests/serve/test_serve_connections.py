@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-
 from serve_helpers import ServerProcess, raw_socket, read_until_closed, rss_bytes
 
 pytestmark = pytest.mark.slow
@@ -20,8 +19,9 @@ MAX_CONNECTIONS = 24
 
 @pytest.fixture(scope="module")
 def limited():
-    process = ServerProcess("--header-timeout", str(HEADER_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
-                            "--max-header-kb", "64")
+    process = ServerProcess(
+        "--header-timeout", str(HEADER_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS), "--max-header-kb", "64"
+    )
     try:
         yield process.wait_ready()
     finally:

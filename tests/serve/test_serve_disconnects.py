@@ -8,9 +8,9 @@ import time
 
 import httpx
 import pytest
+from serve_helpers import API_KEY, ServerProcess
 
 import nnrun
-from serve_helpers import API_KEY, ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -57,8 +57,11 @@ def assert_freed_quickly(server, left_at: float) -> None:
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_non_streamed_completion_is_aborted_when_its_client_leaves(slowed, path):
     body = {"model": "tiny-facts", "max_tokens": 60, "min_tokens": 60, "temperature": 0}  # 6 s if left alone
-    body |= {"prompt": "The Colosseum is in"} if path == "/v1/completions" else {
-        "messages": [{"role": "user", "content": "The Colosseum is in"}]}
+    body |= (
+        {"prompt": "The Colosseum is in"}
+        if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "The Colosseum is in"}]}
+    )
     with httpx.Client(headers=HEADERS, timeout=httpx.Timeout(10, read=1.0)) as client:
         with pytest.raises(httpx.ReadTimeout):
             client.post(f"{slowed.url}{path}", json=body)  # the client gives up after 1 s and closes its connection
@@ -66,8 +69,14 @@ def test_a_non_streamed_completion_is_aborted_when_its_client_leaves(slowed, pat
 
 
 def test_a_streamed_completion_is_aborted_when_its_client_leaves(slowed):
-    body = {"model": "tiny-facts", "prompt": "The Colosseum is in", "max_tokens": 60, "min_tokens": 60,
-            "temperature": 0, "stream": True}
+    body = {
+        "model": "tiny-facts",
+        "prompt": "The Colosseum is in",
+        "max_tokens": 60,
+        "min_tokens": 60,
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.Client(headers=HEADERS, timeout=10) as client:
         with client.stream("POST", f"{slowed.url}/v1/completions", json=body) as response:
             events = 0

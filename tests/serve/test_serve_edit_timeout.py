@@ -12,9 +12,9 @@ import time
 import httpx
 import pytest
 import torch
+from serve_helpers import API_KEY, ServerProcess
 
 import nnrun
-from serve_helpers import API_KEY, ServerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ import time
 import httpx
 import pytest
 import torch
+from serve_helpers import API_KEY, ServerProcess
 
 import nnrun
-from serve_helpers import API_KEY, ServerProcess
 
 PROMPT = "The Eiffel Tower is in"
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
+from serve_helpers import API_KEY
 
 import nnrun
-from serve_helpers import API_KEY
 
 PROMPT = "The Colosseum is in"
 MAX_TOKENS = 6
@@ -31,17 +31,23 @@ def complete(client, stream: bool = False, chat: bool = False) -> str:
     if chat:
         messages = [{"role": "user", "content": PROMPT}]
         if not stream:
-            answer = client.chat.completions.create(model="tiny-facts", messages=messages, max_tokens=MAX_TOKENS,
-                                                    temperature=0)
+            answer = client.chat.completions.create(
+                model="tiny-facts", messages=messages, max_tokens=MAX_TOKENS, temperature=0
+            )
             return answer.choices[0].message.content
-        chunks = client.chat.completions.create(model="tiny-facts", messages=messages, max_tokens=MAX_TOKENS,
-                                                temperature=0, stream=True)
+        chunks = client.chat.completions.create(
+            model="tiny-facts", messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
+        )
         return "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
     if not stream:
-        return client.completions.create(model="tiny-facts", prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                         temperature=0).choices[0].text
-    chunks = list(client.completions.create(model="tiny-facts", prompt=PROMPT, max_tokens=MAX_TOKENS,
-                                            temperature=0, stream=True))
+        return (
+            client.completions.create(model="tiny-facts", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+            .choices[0]
+            .text
+        )
+    chunks = list(
+        client.completions.create(model="tiny-facts", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, stream=True)
+    )
     assert len(chunks) > 1 and chunks[-1].choices[0].finish_reason in ("stop", "length")
     return "".join(chunk.choices[0].text for chunk in chunks)
 

@@ -11,9 +11,9 @@ import json
 import httpx
 import pytest
 import torch
+from serve_helpers import API_KEY
 
 import nnrun
-from serve_helpers import API_KEY
 
 pytestmark = pytest.mark.slow
 
@@ -95,21 +95,27 @@ def test_served_fields_mean_what_they_mean_locally(server, local_model):
     # stream_options.include_usage: a last chunk with the usage the plain answer gives.
     plain = post(server, "/v1/completions", BASE).json()
     streamed = post(server, "/v1/completions", {**BASE, "stream": True, "stream_options": {"include_usage": True}})
-    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
+    chunks = [
+        json.loads(line[6:])
+        for line in streamed.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks[:-1]) == plain["choices"][0]["text"]
 
     # Chat content as text parts reads as the same text.
     parts = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}]}
-    assert post(server, "/v1/chat/completions", parts).json()["choices"][0]["message"]["content"] == \
-        post(server, "/v1/chat/completions", CHAT).json()["choices"][0]["message"]["content"]
+    assert (
+        post(server, "/v1/chat/completions", parts).json()["choices"][0]["message"]["content"]
+        == post(server, "/v1/chat/completions", CHAT).json()["choices"][0]["message"]["content"]
+    )
 
 
 def test_logprobs_are_the_models_log_softmax_in_openais_shapes(server, local_model):
     num_tokens = 6
-    local = local_model.engine.generate(PROMPT, nnrun.SamplingParams(max_tokens=num_tokens, temperature=0,
-                                                                     logprobs=3))[0].outputs[0]
+    local = local_model.engine.generate(PROMPT, nnrun.SamplingParams(max_tokens=num_tokens, temperature=0, logprobs=3))[
+        0
+    ].outputs[0]
     with local_model.trace(PROMPT):
         logits = local_model.lm_head.output[0, -1].save()
     first_logprobs = torch.log_softmax(logits.float(), dim=-1)  # the first generated token's, from the model itself
@@ -118,21 +124,28 @@ def test_logprobs_are_the_models_log_softmax_in_openais_shapes(server, local_mod
     answer = post(server, "/v1/completions", {**BASE, "logprobs": 3}).json()["choices"][0]["logprobs"]
     assert answer["tokens"] == [decode([token_id]) for token_id in local.token_ids]
     # The server's engine and this one run the same kernels on the same prompt, one torch thread each.
-    torch.testing.assert_close(torch.tensor(answer["token_logprobs"]),
-                               torch.tensor([entry[t] for t, entry in zip(local.token_ids, local.logprobs)]),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(answer["token_logprobs"]),
+        torch.tensor([entry[t] for t, entry in zip(local.token_ids, local.logprobs)]),
+        atol=1e-5,
+        rtol=1e-5,
+    )
     assert abs(answer["token_logprobs"][0] - first_logprobs[local.token_ids[0]].item()) < 1e-4
     top = torch.topk(first_logprobs, 3)
     assert answer["top_logprobs"][0] == pytest.approx(
-        {decode([i]): v for i, v in zip(top.indices.tolist(), top.values.tolist())}, abs=1e-4)
+        {decode([i]): v for i, v in zip(top.indices.tolist(), top.values.tolist())}, abs=1e-4
+    )
     assert answer["text_offset"][0] == 0 and answer["text_offset"][1] == len(answer["tokens"][0])
 
     only_sampled = post(server, "/v1/completions", {**BASE, "logprobs": 0}).json()["choices"][0]["logprobs"]
     assert [list(entry) for entry in only_sampled["top_logprobs"]] == [[token] for token in answer["tokens"]]
 
     streamed = post(server, "/v1/completions", {**BASE, "logprobs": 3, "stream": True})
-    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
+    chunks = [
+        json.loads(line[6:])
+        for line in streamed.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
     pieces = [chunk["choices"][0]["logprobs"] for chunk in chunks]
     assert [token for piece in pieces for token in piece["tokens"]] == answer["tokens"]
     assert [lp for piece in pieces for lp in piece["token_logprobs"]] == answer["token_logprobs"]
@@ -160,14 +173,18 @@ def test_echo_shows_the_prompt_and_its_logprobs(server, local_model):
     answer = post(server, "/v1/completions", {**BASE, "echo": True, "logprobs": 1}).json()["choices"][0]
     logprobs = answer["logprobs"]
     assert answer["text"] == plain["text"]
-    assert logprobs["tokens"][:len(prompt_ids)] == [local_model.tokenizer.decode([t]) for t in prompt_ids]
+    assert logprobs["tokens"][: len(prompt_ids)] == [local_model.tokenizer.decode([t]) for t in prompt_ids]
     assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
-    torch.testing.assert_close(torch.tensor(logprobs["token_logprobs"][1:len(prompt_ids)]), predicted,
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(logprobs["token_logprobs"][1 : len(prompt_ids)]), predicted, atol=1e-4, rtol=1e-4
+    )
     assert len(logprobs["tokens"]) == len(prompt_ids) + len(expected.outputs[0].token_ids)
 
     streamed = post(server, "/v1/completions", {**BASE, "echo": True, "stream": True})
-    chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
-              if line.startswith("data: ") and line != "data: [DONE]"]
+    chunks = [
+        json.loads(line[6:])
+        for line in streamed.text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
     assert chunks[0]["choices"][0]["text"].startswith(PROMPT)
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == plain["text"]

@@ -35,6 +35,7 @@ def assert_same(got, expected):
 
 def send_ids(monkeypatch, fingerprint, ids):
     """The client ships `ids` for PROMPT under `fingerprint` (None: its own tokenizer's)."""
+
     def encode(tokenizer, own_fingerprint, inputs):
         return (fingerprint or own_fingerprint, {PROMPT: ids})
 
@@ -61,14 +62,19 @@ def test_the_server_runs_the_ids_it_takes(served, client, local_model, payloads,
     assert not torch.allclose(got[1], trace(local_model, PROMPT)[1])  # the forged ids did change the answer
 
 
-@pytest.mark.parametrize("fingerprint, ids", [
-    ("0" * 64, "other"),  # another tokenizer's ids
-    (None, [10**9]),  # outside the vocabulary
-    (None, [1.0, 2.0]),  # not token ids
-    (None, []),
-], ids=["other-tokenizer", "out-of-vocabulary", "floats", "empty"])
-def test_ids_the_server_cannot_trust_are_tokenized_again(served, client, local_model, payloads, monkeypatch,
-                                                         fingerprint, ids):
+@pytest.mark.parametrize(
+    "fingerprint, ids",
+    [
+        ("0" * 64, "other"),  # another tokenizer's ids
+        (None, [10**9]),  # outside the vocabulary
+        (None, [1.0, 2.0]),  # not token ids
+        (None, []),
+    ],
+    ids=["other-tokenizer", "out-of-vocabulary", "floats", "empty"],
+)
+def test_ids_the_server_cannot_trust_are_tokenized_again(
+    served, client, local_model, payloads, monkeypatch, fingerprint, ids
+):
     send_ids(monkeypatch, fingerprint, served.tokenizer(OTHER)["input_ids"] if ids == "other" else ids)
     assert_same(trace(client, PROMPT), trace(local_model, PROMPT))
 

@@ -10,10 +10,10 @@ import time
 
 import httpx
 import pytest
+from serve_helpers import API_KEY, ServerProcess
 
 import nnrun
 from nnrun.serve.wire import ServerShuttingDown
-from serve_helpers import API_KEY, ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -37,8 +37,14 @@ def test_sigterm_cuts_what_outlasts_the_drain_with_clear_errors_and_exits_0():
     events: list[str] = []
     try:
         trace = slow_trace(model, 60)  # 6 s: past the drain
-        body = {"model": "tiny-facts", "prompt": PROMPT, "max_tokens": 64, "min_tokens": 64, "temperature": 0,
-                "stream": True}
+        body = {
+            "model": "tiny-facts",
+            "prompt": PROMPT,
+            "max_tokens": 64,
+            "min_tokens": 64,
+            "temperature": 0,
+            "stream": True,
+        }
         with model.register(name="slow") as (tracer, edit):  # 0.1 s a step for the completion too
             for step in tracer.all():
                 time.sleep(0.1)
@@ -46,8 +52,13 @@ def test_sigterm_cuts_what_outlasts_the_drain_with_clear_errors_and_exits_0():
         first_event = threading.Event()
 
         def read_stream() -> None:
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30,
-                              headers={"Authorization": f"Bearer {API_KEY}"}) as response:
+            with httpx.stream(
+                "POST",
+                f"{server.url}/v1/completions",
+                json=body,
+                timeout=30,
+                headers={"Authorization": f"Bearer {API_KEY}"},
+            ) as response:
                 for line in response.iter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])

@@ -16,10 +16,10 @@ import time
 import httpx
 import pytest
 import torch
-
-import nnrun
 from serve_helpers import API_KEY, HERE, REPO, ServerProcess, child_env
 from workloads import PROMPTS, run_local
+
+import nnrun
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +31,14 @@ SOAK_LIMIT_S = 50.0  # the whole soak, the clients' start-up included
 
 
 def start(script: str, spec: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(HERE / script), json.dumps(spec)], cwd=REPO, env=child_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(HERE / script), json.dumps(spec)],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def finish(process: subprocess.Popen, deadline: float) -> str:
@@ -47,8 +53,18 @@ def finish(process: subprocess.Popen, deadline: float) -> str:
 
 
 def test_innocent_clients_are_exact_while_a_hostile_one_attacks(clients, tmp_path, local_model):
-    server = ServerProcess("--header-timeout", "2", "--body-timeout", "2", "--block-timeout", "2",
-                           "--max-in-flight", "48", "--max-new-tokens", "16").wait_ready()
+    server = ServerProcess(
+        "--header-timeout",
+        "2",
+        "--body-timeout",
+        "2",
+        "--block-timeout",
+        "2",
+        "--max-in-flight",
+        "48",
+        "--max-new-tokens",
+        "16",
+    ).wait_ready()
     address = {"host": "127.0.0.1", "port": server.port, "api_key": API_KEY}
     stop_file = tmp_path / "stop"
     hostile = start("hostile_client.py", {**address, "seconds": SOAK_LIMIT_S, "stop_file": str(stop_file)})
@@ -61,8 +77,14 @@ def test_innocent_clients_are_exact_while_a_hostile_one_attacks(clients, tmp_pat
         for i in range(NUM_OPENAI_CLIENTS):
             out = tmp_path / f"openai{i}.json"
             prompts = [PROMPTS[(i + k) % len(PROMPTS)] for k in range(2)]
-            openai_clients.append((start("openai_client.py", {**address, "prompts": prompts, "max_tokens": MAX_TOKENS,
-                                                             "out": str(out)}), out))
+            openai_clients.append(
+                (
+                    start(
+                        "openai_client.py", {**address, "prompts": prompts, "max_tokens": MAX_TOKENS, "out": str(out)}
+                    ),
+                    out,
+                )
+            )
 
         expected_traces = run_local(local_model, sorted({name for group in TRACE_WORKLOADS for name in group}))
         params = nnrun.SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
@@ -77,8 +99,13 @@ def test_innocent_clients_are_exact_while_a_hostile_one_attacks(clients, tmp_pat
                 assert "error" not in results[name], f"trace client {i}: {name} failed: {results[name]['error']}"
                 for key in expected_traces[name]:
                     # Batched with other clients' traces vs alone: the same kernels, one torch thread each.
-                    torch.testing.assert_close(results[name][key], expected_traces[name][key], atol=1e-5, rtol=1e-5,
-                                               msg=f"trace client {i}: {name}.{key}")
+                    torch.testing.assert_close(
+                        results[name][key],
+                        expected_traces[name][key],
+                        atol=1e-5,
+                        rtol=1e-5,
+                        msg=f"trace client {i}: {name}.{key}",
+                    )
         stop_file.touch()
         sent = json.loads(finish(hostile, time.monotonic() + 15).strip().splitlines()[-1])
         assert all(count > 0 for count in sent.values()), sent  # every kind of attack ran during the soak

@@ -12,10 +12,10 @@ import warnings
 import httpx
 import pytest
 import torch
-
-import nnrun
 from serve_helpers import API_KEY
 from workloads import HOSTILE, run_local
+
+import nnrun
 
 # Client processes, each running its own mix; together they cover every workload.
 INNOCENT = [
@@ -23,7 +23,9 @@ INNOCENT = [
     ["patching", "attention", "burst", "generation", "steered_generation"],
 ]
 EXPECTED_ERRORS = {
-    "garbage": "PayloadError", "wrong_path": "AttributeError", "raises": "KeyError",
+    "garbage": "PayloadError",
+    "wrong_path": "AttributeError",
+    "raises": "KeyError",
     "endless_loop": "TimeoutError",
 }
 
@@ -65,11 +67,11 @@ def test_concurrent_clients_match_in_process_while_a_hostile_one_fails_alone(ser
 
 def test_nnsight_local_serve_backend_works_unchanged(server, reference):
     """nnsight 0.8.1's own serve client, on a meta nnsight model, against nnrun serve."""
+    from transformers import AutoTokenizer
+    from workloads import PROMPT
+
     from nnsight import LanguageModel as NNsightLanguageModel
     from nnsight.modeling.vllm.serve.backend import LocalServeBackend
-    from transformers import AutoTokenizer
-
-    from workloads import PROMPT
 
     path = str(nnrun.bundled_model_path("tiny-facts"))
     with warnings.catch_warnings():
@@ -126,8 +128,9 @@ def test_auth_refuses_missing_and_wrong_keys(server):
 
 def test_request_body_limit(server):
     too_big = b"x" * (2 * 2**20)  # the shared server allows 1 MB
-    response = httpx.post(f"{server.url}/v1/nnsight/generate", content=too_big,
-                          headers={"ndif-api-key": API_KEY}, timeout=30)
+    response = httpx.post(
+        f"{server.url}/v1/nnsight/generate", content=too_big, headers={"ndif-api-key": API_KEY}, timeout=30
+    )
     assert response.status_code == 413
     assert "over this server's limit of 1048576 bytes" in response.json()["detail"]
     wrong_method = httpx.get(f"{server.url}/v1/nnsight/generate", headers={"ndif-api-key": API_KEY}, timeout=10)
@@ -161,4 +164,8 @@ def test_health_counts_forwards_and_the_requests_that_shared_them(server):
     after = httpx.get(f"{server.url}/health", timeout=10).json()
     # A trace's invokes are requests admitted together: one forward of both prompts.
     assert {name: after[name] - before[name] for name in counted} == {
-        "forwards": 1, "batched_requests": 2, "forwarded_tokens": num_tokens, "finished_requests": 2}
+        "forwards": 1,
+        "batched_requests": 2,
+        "forwarded_tokens": num_tokens,
+        "finished_requests": 2,
+    }

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+
 from nnsight.intervention.serialization import reduce_block
 
 from nnrun.serve import block_payload, tensor_pickle, transport, wire
@@ -22,29 +23,34 @@ def _torch_round_trip(payload):
     return torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
 
 
-@pytest.mark.parametrize("value", [
-    torch.randn(2, 5, 7),
-    torch.randn(4, 6).bfloat16().t(),  # non-contiguous, no numpy dtype
-    torch.randn(3, 4)[:, 1],  # a view into a larger storage: only its own elements travel
-    torch.arange(10),
-    torch.tensor([True, False, True]),
-    torch.randn(3, dtype=torch.complex64),
-    torch.tensor(2.5, dtype=torch.float16),  # 0-dim
-    torch.zeros(0, 3),
-    torch.randn(4, 6).t(),  # non-contiguous, through numpy's strides
-    torch.randn(3, 1).expand(3, 4),  # a zero stride: every row travels
-], ids=["f32", "bf16-transposed", "view", "int64", "bool", "complex", "0-dim", "empty", "f32-transposed",
-        "expanded"])
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.randn(2, 5, 7),
+        torch.randn(4, 6).bfloat16().t(),  # non-contiguous, no numpy dtype
+        torch.randn(3, 4)[:, 1],  # a view into a larger storage: only its own elements travel
+        torch.arange(10),
+        torch.tensor([True, False, True]),
+        torch.randn(3, dtype=torch.complex64),
+        torch.tensor(2.5, dtype=torch.float16),  # 0-dim
+        torch.zeros(0, 3),
+        torch.randn(4, 6).t(),  # non-contiguous, through numpy's strides
+        torch.randn(3, 1).expand(3, 4),  # a zero stride: every row travels
+    ],
+    ids=["f32", "bf16-transposed", "view", "int64", "bool", "complex", "0-dim", "empty", "f32-transposed", "expanded"],
+)
 def test_raw_tensor_answers_equal_torch_save_ones(value):
     saves = {"hidden": value, "nested": [value * 2, {"x": value.clone()}], "n": 3}
     body = wire.encode_result(saves, None, [{"steer": {"h": value + 1}}], raw_tensors=True)
     assert body.startswith(tensor_pickle.MAGIC)
     got = wire.decode_result(body)
     expected = _torch_round_trip({"saves": saves, "registered": [{"steer": {"h": value + 1}}]})
-    for ours, theirs in [(got["saves"]["hidden"], expected["saves"]["hidden"]),
-                         (got["saves"]["nested"][0], expected["saves"]["nested"][0]),
-                         (got["saves"]["nested"][1]["x"], expected["saves"]["nested"][1]["x"]),
-                         (got["registered"][0]["steer"]["h"], expected["registered"][0]["steer"]["h"])]:
+    for ours, theirs in [
+        (got["saves"]["hidden"], expected["saves"]["hidden"]),
+        (got["saves"]["nested"][0], expected["saves"]["nested"][0]),
+        (got["saves"]["nested"][1]["x"], expected["saves"]["nested"][1]["x"]),
+        (got["registered"][0]["steer"]["h"], expected["registered"][0]["steer"]["h"]),
+    ]:
         assert ours.dtype == theirs.dtype and ours.shape == theirs.shape
         assert torch.equal(ours, theirs)
     assert got["saves"]["n"] == 3 and got["error"] is None
@@ -72,7 +78,7 @@ def test_what_raw_bytes_would_not_carry_goes_through_torch_save():
     grad = wire.decode_result(wire.encode_result(cases["a tensor that requires grad"], None, raw_tensors=True))
     assert grad["saves"]["h"].requires_grad
     for name in ("a conjugate view", "a negative view"):  # their values, not their storages' raw bytes
-        (key, value), = cases[name].items()
+        ((key, value),) = cases[name].items()
         got = wire.decode_result(wire.encode_result(cases[name], None, raw_tensors=True))["saves"][key]
         assert torch.equal(got.resolve_conj().resolve_neg(), value.resolve_conj().resolve_neg()), name
 
@@ -95,8 +101,11 @@ def test_the_client_payload_is_nnsights_with_the_block_read_once(monkeypatch):
         return b""
 
     monkeypatch.setattr(block_payload, "dumps", dumps)
-    monkeypatch.setattr(transport.Connection, "post",
-                        lambda self, path, content, params=None: wire.encode_result({}, None, raw_tensors=True))
+    monkeypatch.setattr(
+        transport.Connection,
+        "post",
+        lambda self, path, content, params=None: wire.encode_result({}, None, raw_tensors=True),
+    )
     read = []
     real_reduce = block_payload.reduce_block
     monkeypatch.setattr(block_payload, "reduce_block", lambda *args: read.append(1) or real_reduce(*args))
@@ -107,9 +116,11 @@ def test_the_client_payload_is_nnsights_with_the_block_read_once(monkeypatch):
         vector = torch.full((4,), scale)
         with model.trace("The Eiffel Tower is in"):
             model.model.layers[layer].output[0, -1, :4] += vector
-            hidden = model.model.layers[layer].output.save()
+            hidden = model.model.layers[layer].output.save()  # noqa: F841 (a saved name the client pushes back)
     assert len(read) == 1  # the second trace of the same block reused its source and names
-    for (sent_tracer, (source, used_globals, used_locals)), (nn_source, nn_globals, nn_locals) in zip(shipped, expected):
+    for (sent_tracer, (source, used_globals, used_locals)), (nn_source, nn_globals, nn_locals) in zip(
+        shipped, expected
+    ):
         assert source == nn_source and used_globals == nn_globals
         assert used_locals.keys() == nn_locals.keys() and "vector" in used_locals and "layer" in used_locals
         assert torch.equal(used_locals["vector"], nn_locals["vector"]) and used_locals["layer"] == nn_locals["layer"]

@@ -121,10 +121,22 @@ def steered_generation(model) -> dict:
     return {f"token{i}": t for i, t in enumerate(tokens)}
 
 
-WORKLOADS = {fn.__name__: fn for fn in (
-    logits, layers, intervention, invokes, shared_list, non_blocking, patching, attention, burst, generation,
-    steered_generation,
-)}
+WORKLOADS = {
+    fn.__name__: fn
+    for fn in (
+        logits,
+        layers,
+        intervention,
+        invokes,
+        shared_list,
+        non_blocking,
+        patching,
+        attention,
+        burst,
+        generation,
+        steered_generation,
+    )
+}
 
 
 def run_local(model, names: list[str]) -> dict:

@@ -59,8 +59,9 @@ def test_greedy_tokens_match_one_rank_and_logprobs_agree(tp2, tp1):
     ours, theirs = tp2.generate(PROMPTS, GREEDY), tp1.generate(PROMPTS, GREEDY)
     for a, b in zip(ours, theirs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        torch.testing.assert_close(torch.tensor(_logprob_values(a)), torch.tensor(_logprob_values(b)),
-                                   rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(
+            torch.tensor(_logprob_values(a)), torch.tensor(_logprob_values(b)), rtol=RTOL, atol=ATOL
+        )
 
 
 def test_plain_greedy_steps_bring_back_argmaxes_and_the_same_tokens(tp2, tp1):
@@ -101,8 +102,9 @@ def test_a_prompt_gives_the_same_tokens_whatever_shares_its_steps(tp2):
     shared = [handle.result(timeout=60) for handle in handles][1]
     assert shared.outputs[0].token_ids == alone.outputs[0].token_ids
     # other rows change the matmuls' shapes, so fp32 summation order may move the values slightly
-    torch.testing.assert_close(torch.tensor(_logprob_values(shared)), torch.tensor(_logprob_values(alone)),
-                               rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(
+        torch.tensor(_logprob_values(shared)), torch.tensor(_logprob_values(alone)), rtol=RTOL, atol=ATOL
+    )
 
 
 def test_seeded_sampling_matches_one_rank(tp2, tp1):

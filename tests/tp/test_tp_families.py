@@ -18,9 +18,19 @@ RTOL, ATOL = 1e-5, 1e-5
 
 def _mixtral() -> torch.nn.Module:
     torch.manual_seed(0)
-    return MixtralForCausalLM(MixtralConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512)).eval()
+    return MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=512,
+        )
+    ).eval()
 
 
 BUILDERS = {"qwen3": lambda: make_model("qwen3"), "mistral": lambda: make_model("mistral"), "mixtral": _mixtral}
@@ -32,9 +42,10 @@ def test_two_ranks_match_one_rank_and_plain_hf(family, tmp_path):
     hf.set_attn_implementation("sdpa")
     hf.save_pretrained(tmp_path)
     with torch.no_grad():  # the oracle: plain HF's log-probabilities of each prompt's next tokens
-        expected = [hf(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)[torch.arange(len(ids) - 1),
-                                                                          torch.tensor(ids[1:])]
-                    for ids in PROMPTS]
+        expected = [
+            hf(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+            for ids in PROMPTS
+        ]
     tp2 = LLM(str(tmp_path), tensor_parallel_size=2, tensor_parallel_timeout=60)
     try:
         ours = tp2.generate(PROMPTS, GREEDY)

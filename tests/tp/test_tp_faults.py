@@ -112,8 +112,14 @@ def test_ctrl_c_in_the_front_end_stops_every_rank(tmp_path):
     script = tmp_path / "front_end.py"
     script.write_text(CTRL_C_SCRIPT)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    front = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env, start_new_session=True)
+    front = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         pids = [int(pid) for pid in front.stdout.readline().split()]
         assert len(pids) == 2, front.stderr.read()

@@ -30,8 +30,11 @@ def test_a_model_without_a_plan_is_refused():
 
 def test_heads_that_do_not_divide_are_refused_with_the_sizes_that_work():
     # tiny-facts: 4 attention heads, 2 KV heads, MLP 512, vocabulary 768
-    with pytest.raises(ValueError, match=r"does not divide LlamaForCausalLM's attention heads \(num_attention_heads=4\)"
-                                         r".*: 1, 2$"):
+    with pytest.raises(
+        ValueError,
+        match=r"does not divide LlamaForCausalLM's attention heads \(num_attention_heads=4\)"
+        r".*: 1, 2$",
+    ):
         LLM("tiny-facts", tensor_parallel_size=3)
     with pytest.raises(ValueError, match=r"KV heads \(num_key_value_heads=2\).*: 1, 2$"):
         LLM("tiny-facts", tensor_parallel_size=4)

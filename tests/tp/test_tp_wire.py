@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+import nnrun.tp.wire as wire
 from nnrun.forward_batch import OUTPUT_ATTENTIONS_ARG, ForwardMode, decode_forward_batch, packed_forward_batch
 from nnrun.memory import ReqToTokenPool, TokenToKVPoolAllocator, hold_kv
 from nnrun.request import Request
 from nnrun.sampling_params import SamplingParams
-import nnrun.tp.wire as wire
 
 pytestmark = pytest.mark.slow
 
@@ -64,9 +64,13 @@ def test_a_decode_step_is_rebuilt_exactly():
 
 def test_answers_and_errors_round_trip():
     logits = torch.randn(3, 11)
-    for kind, tensor in [(wire.MessageKind.LOGITS, logits), (wire.MessageKind.LOGITS, logits.to(torch.bfloat16)),
-                         (wire.MessageKind.LOGITS, logits.to(torch.float16)),
-                         (wire.MessageKind.TOKEN_IDS, logits.argmax(-1)), (wire.MessageKind.LOGITS, logits[:0])]:
+    for kind, tensor in [
+        (wire.MessageKind.LOGITS, logits),
+        (wire.MessageKind.LOGITS, logits.to(torch.bfloat16)),
+        (wire.MessageKind.LOGITS, logits.to(torch.float16)),
+        (wire.MessageKind.TOKEN_IDS, logits.argmax(-1)),
+        (wire.MessageKind.LOGITS, logits[:0]),
+    ]:
         header, payload = wire.encode_tensor(kind, tensor)
         assert wire.message_kind(header) is kind
         decoded = wire.decode_tensor(header, bytearray(payload))
