@@ -75,10 +75,14 @@ class PackedBatcher(SkipSplicing, Batcher):
         Inside a module's `.source`, attention's operations hold head-first `[1, heads, N, head_dim]`
         values (after `.transpose(1, 2)`): their tokens are dim 2. Where dims 1 and 2 both have the
         step's size, nothing says which holds the tokens, so such a read is refused rather than guessed.
+        A module's `[N, ...]` value is the step's tokens flattened (dim 0): HF's MoE blocks hand their
+        router and experts `hidden_states.view(-1, hidden)`, and their router logits are `[N, experts]`.
         """
         if layout is Layout.ROWS:
             return 0 if tensor.dim() >= 1 and tensor.shape[0] == self.num_rows else None
         size = self.num_tokens if layout is Layout.TOKENS else self.num_logits
+        if tensor.dim() >= 2 and tensor.shape[0] == size > 1 and ".source." not in self.location:
+            return FLAT_TOKENS_DIM
         if tensor.dim() < 2 or tensor.shape[0] != 1:
             return None
         token_first = tensor.shape[1] == size
@@ -102,6 +106,8 @@ class PackedBatcher(SkipSplicing, Batcher):
         return (len(group.rows), max(length for _, length in group.spans(layout)))
 
     def _served_shape(self, full: torch.Tensor, group: PackedGroup, layout: Layout) -> tuple[int, ...]:
+        if layout is not Layout.ROWS and self._packed_dim(full, layout) == FLAT_TOKENS_DIM:
+            return (sum(length for _, length in group.spans(layout)), *full.shape[1:])  # [T, ...] or [sum T_i, ...]
         lead = self.served_lead(group, layout)
         if self._packed_dim(full, layout) == 2:  # head-first: [k, heads, T_max, ...]
             return (lead[0], full.shape[1], lead[1], *full.shape[3:])
@@ -138,6 +144,8 @@ class PackedBatcher(SkipSplicing, Batcher):
             return tensor
         if dim == 2:  # head-first: narrow the token-first view, hand back head-first
             return self._narrow_token_first(tensor.transpose(1, 2), group, layout).transpose(1, 2)
+        if dim == FLAT_TOKENS_DIM and layout is not Layout.ROWS:
+            return _narrow_flat(tensor, group.spans(layout))
         return self._narrow_token_first(tensor, group, layout)
 
     def _narrow_token_first(self, tensor: torch.Tensor, group: PackedGroup, layout: Layout) -> torch.Tensor:
@@ -253,6 +261,14 @@ class PackedBatcher(SkipSplicing, Batcher):
             for i, row in enumerate(group.rows):
                 full[row].copy_(edited[i])
             return
+        if self._packed_dim(full, layout) == FLAT_TOKENS_DIM:  # the group's rows in order, no padding
+            offset = 0
+            for start, length in group.spans(layout):
+                target, source = full[start : start + length], edited[offset : offset + length]
+                if not _same_memory(target, source):
+                    target.copy_(source)
+                offset += length
+            return
         max_len = edited.shape[1]
         for i, (start, length) in enumerate(group.spans(layout)):
             target = full[0, start : start + length]
@@ -263,6 +279,26 @@ class PackedBatcher(SkipSplicing, Batcher):
 
 # Marks a several-request read served as a view of the flat tensor (`_adjacent_spans_view`): nothing to scatter back.
 _ADJACENT_VIEW = "_nnrun_adjacent_view"
+FLAT_TOKENS_DIM = 0  # what `_packed_dim` answers for a `[N, ...]` value in a token layout (rows use 0 too)
+
+
+def _narrow_flat(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """A group's rows of a flattened `[N, ...]` value, in request order: `[T, ...]`, or `[sum T_i, ...]` for several.
+
+    One request's rows, or several requests' adjacent in order, are a view (edits land in place);
+    others are a copy that `scatter_back` writes back.
+    """
+    start, length = spans[0]
+    if all(
+        next_start == prev_start + prev_length for (prev_start, prev_length), (next_start, _) in zip(spans, spans[1:])
+    ):
+        view = tensor.narrow(0, start, sum(length for _, length in spans))
+        if len(spans) == 1:
+            view._nnsight_batch = True  # `.grad` redirects to the tensor in the graph
+        else:
+            setattr(view, _ADJACENT_VIEW, True)
+        return view
+    return torch.cat([tensor.narrow(0, start, length) for start, length in spans])
 
 
 def _adjacent_spans_view(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor | None:
