@@ -63,3 +63,15 @@ def test_verify_takes_true_false_or_on_read(tmp_path):
     _write_folder(tmp_path, LENGTHS)
     with pytest.raises(ValueError, match="verify must be True, False or 'on_read'"):
         load_activations(tmp_path, verify="yes")
+
+
+def test_token_dataset_checks_each_shard_it_opens(tmp_path):
+    from nnrun.distributed import TokenDataset
+
+    manifest = _write_folder(tmp_path, LENGTHS)
+    _flip_a_byte(tmp_path / manifest.shards[1].file)
+    dataset = TokenDataset(tmp_path, "a", batch_size=2, shuffle=False)
+    with pytest.raises(DamagedFolderError, match=manifest.shards[1].file):
+        list(dataset)
+    unchecked = TokenDataset(load_activations(tmp_path, verify=False), "a", batch_size=2, shuffle=False)
+    assert sum(batch.shape[0] for batch in unchecked) == sum(LENGTHS)  # served as it is: the opt-out

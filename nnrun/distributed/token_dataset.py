@@ -27,7 +27,7 @@ from safetensors import safe_open
 from torch.utils.data import IterableDataset, get_worker_info
 
 from nnrun.extract.shards import activation_key
-from nnrun.extract.store import ActivationStore, load_activations
+from nnrun.extract.store import ActivationStore, check_shard_file, load_activations
 from nnrun.extract.stream import rebatch
 
 
@@ -76,6 +76,10 @@ class TokenDataset(IterableDataset):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
         self.files = [str(store.out_dir / shard.file) for shard in store.manifest.shards]
+        # Each process reading a shard checks its sha256 the first time it opens it, as the store does
+        # (DataLoader workers are other processes: the store's own record of what it checked is not theirs).
+        self.out_dir = store.out_dir
+        self.shards_to_verify = list(store.manifest.shards) if store.verify_on_read else None
         self.rows_per_shard = [shard.num_rows for shard in store.manifest.shards]
         self.key = activation_key(module)
         self.batch_size = batch_size
@@ -147,6 +151,8 @@ class TokenDataset(IterableDataset):
     def _read(self, handles: dict[int, object], block: Block) -> torch.Tensor:
         handle = handles.get(block.shard)
         if handle is None:
+            if self.shards_to_verify is not None:
+                check_shard_file(self.out_dir, self.shards_to_verify[block.shard], block.shard)
             handle = handles[block.shard] = safe_open(self.files[block.shard], framework="pt")
         return handle.get_slice(self.key)[block.start : block.stop]  # [block rows, *shape]
 

@@ -142,20 +142,7 @@ class ActivationStore:
         """Raise DamagedFolderError unless the shard file has the manifest's size and sha256 (hashed once)."""
         if shard in self._verified:
             return
-        info = self.manifest.shards[shard]
-        path = self.out_dir / info.file
-        problem = None
-        if not path.is_file():
-            problem = "is missing"
-        elif (size := path.stat().st_size) != info.num_bytes:
-            problem = f"has {size} bytes, the manifest lists {info.num_bytes}"
-        elif (sha256 := file_sha256(path)) != info.sha256:
-            problem = (
-                f"has sha256 {sha256[:16]}..., the manifest lists {info.sha256[:16]}...: its bytes changed "
-                "after it was written"
-            )
-        if problem is not None:
-            raise DamagedFolderError(self.out_dir, [Damage(info.file, problem, shard)])
+        check_shard_file(self.out_dir, self.manifest.shards[shard], shard)
         self._verified.add(shard)
 
     def _shard(self, shard: int) -> Any:
@@ -216,3 +203,20 @@ class PromptActivations(Mapping):
 
     def __repr__(self) -> str:
         return f"PromptActivations(prompt {self.i}, input index {self.input_index}, {self.num_tokens} tokens)"
+
+
+def check_shard_file(out_dir: Path, info: Any, shard: int) -> None:
+    """Raise DamagedFolderError unless shard `shard` (`info`: its manifest entry) has the listed size and sha256."""
+    path = out_dir / info.file
+    problem = None
+    if not path.is_file():
+        problem = "is missing"
+    elif (size := path.stat().st_size) != info.num_bytes:
+        problem = f"has {size} bytes, the manifest lists {info.num_bytes}"
+    elif (sha256 := file_sha256(path)) != info.sha256:
+        problem = (
+            f"has sha256 {sha256[:16]}..., the manifest lists {info.sha256[:16]}...: its bytes changed "
+            "after it was written"
+        )
+    if problem is not None:
+        raise DamagedFolderError(out_dir, [Damage(info.file, problem, shard)])
