@@ -106,10 +106,11 @@ class PackedBatcher(SkipSplicing, Batcher):
         return (len(group.rows), max(length for _, length in group.spans(layout)))
 
     def _served_shape(self, full: torch.Tensor, group: PackedGroup, layout: Layout) -> tuple[int, ...]:
-        if layout is not Layout.ROWS and self._packed_dim(full, layout) == FLAT_TOKENS_DIM:
+        dim = self._packed_dim(full, layout)
+        if layout is not Layout.ROWS and dim == FLAT_TOKENS_DIM:
             return (sum(length for _, length in group.spans(layout)), *full.shape[1:])  # [T, ...] or [sum T_i, ...]
         lead = self.served_lead(group, layout)
-        if self._packed_dim(full, layout) == 2:  # head-first: [k, heads, T_max, ...]
+        if dim == 2:  # head-first: [k, heads, T_max, ...]
             return (lead[0], full.shape[1], lead[1], *full.shape[3:])
         return (*lead, *full.shape[1 if layout is Layout.ROWS else 2 :])
 
@@ -255,13 +256,14 @@ class PackedBatcher(SkipSplicing, Batcher):
 
     def _write(self, full: torch.Tensor, group: PackedGroup, layout: Layout, edited: torch.Tensor) -> None:
         edited = edited.to(dtype=full.dtype, device=full.device)
-        if self._packed_dim(full, layout) == 2:  # head-first: write through token-first views of both
+        dim = self._packed_dim(full, layout)
+        if dim == 2:  # head-first: write through token-first views of both
             full, edited = full.transpose(1, 2), edited.transpose(1, 2)
         if layout is Layout.ROWS:
             for i, row in enumerate(group.rows):
                 full[row].copy_(edited[i])
             return
-        if self._packed_dim(full, layout) == FLAT_TOKENS_DIM:  # the group's rows in order, no padding
+        if dim == FLAT_TOKENS_DIM:  # the group's rows in order, no padding
             offset = 0
             for start, length in group.spans(layout):
                 target, source = full[start : start + length], edited[offset : offset + length]
@@ -285,18 +287,21 @@ FLAT_TOKENS_DIM = 0  # what `_packed_dim` answers for a `[N, ...]` value in a to
 def _narrow_flat(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
     """A group's rows of a flattened `[N, ...]` value, in request order: `[T, ...]`, or `[sum T_i, ...]` for several.
 
-    One request's rows, or several requests' adjacent in order, are a view (edits land in place);
-    others are a copy that `scatter_back` writes back.
+    One request's rows are a view (edits land in place; `.grad` is redirected as for any one-request
+    view). Several requests' rows are a view too when they lie adjacent and in order and autograd is
+    off, as `_adjacent_spans_view` decides for `[1, N, ...]` values; otherwise a copy that
+    `scatter_back` writes back.
     """
-    start, length = spans[0]
-    if all(
-        next_start == prev_start + prev_length for (prev_start, prev_length), (next_start, _) in zip(spans, spans[1:])
-    ):
-        view = tensor.narrow(0, start, sum(length for _, length in spans))
-        if len(spans) == 1:
-            view._nnsight_batch = True  # `.grad` redirects to the tensor in the graph
-        else:
-            setattr(view, _ADJACENT_VIEW, True)
+    if len(spans) == 1:
+        view = tensor.narrow(0, *spans[0])
+        view._nnsight_batch = True
+        return view
+    is_adjacent = all(
+        start == prev_start + prev_length for (prev_start, prev_length), (start, _) in zip(spans, spans[1:])
+    )
+    if is_adjacent and not torch.is_grad_enabled():
+        view = tensor.narrow(0, spans[0][0], sum(length for _, length in spans))
+        setattr(view, _ADJACENT_VIEW, True)
         return view
     return torch.cat([tensor.narrow(0, start, length) for start, length in spans])
 
