@@ -158,12 +158,14 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         rename: dict | None = None,
         **kwargs: Any,
     ) -> None:
-        defaults = {"tokenizer": None, "device": "cpu", "dtype": None, "rename": None}
-        given = {
-            key: value
-            for key, value in zip(defaults, (tokenizer, device, dtype, rename))
-            if value is not defaults[key] and value != defaults[key]
+        # nnsight's `kwargs`: the keywords the caller gave, less the two nnsight consumes itself.
+        named = {
+            "tokenizer": tokenizer,
+            "dtype": dtype,
+            "rename": rename,
+            "device": None if device == "cpu" else device,
         }
+        given = {key: value for key, value in named.items() if value is not None}
         given.update({key: value for key, value in kwargs.items() if key not in ("dispatch", "meta_buffers")})
         revision = kwargs.get("revision")
         device, dtype, options, tokenizer_settings = engine_kwargs(model_or_path, device, dtype, kwargs)
