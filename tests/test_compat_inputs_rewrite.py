@@ -7,30 +7,15 @@ None, so nnrun serves it; a rebuilt tuple that changes what every request shares
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 
 from conformance.compare import assert_same
-from conformance.models import bundled_pair
 from conformance.scenarios import Padded
 from interleaver.write_checks import InvalidWriteError
+from test_compat_grad_source import gpt2_pair, on_both  # noqa: F401  (gpt2_pair is a fixture)
 
 PROMPTS = ["The Eiffel Tower is in", "Paris is"]
-
-
-@pytest.fixture(scope="module")
-def gpt2_pair():
-    oracle, ours = bundled_pair("tiny-facts-gpt2")
-    yield oracle, ours
-    ours.shutdown()
-
-
-def on_both(pair, fn):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return [fn(model) for model in pair]
 
 
 def rebuilt_inputs(model, skip: bool):

@@ -33,10 +33,3 @@ def assert_close_packed(actual: torch.Tensor, expected: torch.Tensor, rel: float
         rtol=0,
         msg=(lambda m: f"{msg}: {m}") if msg else None,
     )
-
-
-def close_packed(actual: torch.Tensor, expected: torch.Tensor, rel: float = PACKED_REL) -> bool:
-    """Whether `actual` equals `expected` up to float summation order (for tests that assert a difference)."""
-    return actual.shape == expected.shape and bool(
-        ((actual.detach().float() - expected.detach().float()).abs() <= packed_atol(expected, rel)).all()
-    )
