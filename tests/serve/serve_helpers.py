@@ -163,3 +163,13 @@ def rss_bytes(server: ServerProcess) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS line")
+
+
+def slow_trace(model, steps: int):
+    """A served generation that takes about `steps` x 0.1 s, parking every step; sent without waiting."""
+    with model.generate("The Eiffel Tower is in", max_new_tokens=steps, min_new_tokens=steps, blocking=False) as tracer:
+        tokens = list().save()
+        for step in tracer.all():
+            time.sleep(0.1)
+            tokens.append(model.samples)
+    return tracer

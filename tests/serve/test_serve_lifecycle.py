@@ -7,21 +7,11 @@ import time
 import httpx
 import pytest
 import torch
-from serve_helpers import API_KEY, ServerProcess
+from serve_helpers import API_KEY, ServerProcess, slow_trace
 
 import nnrun
 
 PROMPT = "The Eiffel Tower is in"
-
-
-def slow_trace(model, steps: int):
-    """A generation that takes about `steps` x 0.1 s, parking every step; sent without waiting."""
-    with model.generate(PROMPT, max_new_tokens=steps, min_new_tokens=steps, blocking=False) as tracer:
-        tokens = list().save()
-        for step in tracer.all():
-            time.sleep(0.1)
-            tokens.append(model.samples)
-    return tracer
 
 
 def wait_until_running(server: ServerProcess, timeout: float = 60.0) -> None:

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from serve_helpers import API_KEY, ServerProcess
+from serve_helpers import API_KEY, ServerProcess, slow_trace
 
 import nnrun
 from nnrun.serve.wire import ServerShuttingDown
@@ -19,16 +19,6 @@ pytestmark = pytest.mark.slow
 
 DRAIN_TIMEOUT_S = 2.0
 PROMPT = "The Eiffel Tower is in"
-
-
-def slow_trace(model, steps: int):
-    """A generation of about `steps` x 0.1 s, parking every step; sent without waiting."""
-    with model.generate(PROMPT, max_new_tokens=steps, min_new_tokens=steps, blocking=False) as tracer:
-        tokens = list().save()
-        for step in tracer.all():
-            time.sleep(0.1)
-            tokens.append(model.samples)
-    return tracer
 
 
 def test_sigterm_cuts_what_outlasts_the_drain_with_clear_errors_and_exits_0():
