@@ -28,13 +28,11 @@ from nnrun.forward_batch import OUTPUT_ATTENTIONS_ARG
 from nnrun.memory import LayerKVShape
 from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
 from nnrun.position_adapters import adapt_positions, max_positions
+from tolerance import assert_close_packed
 
 VOCAB = 128
 PROMPT_LENGTHS = (5, 11, 3)
 DECODE_STEPS = 4
-# A packed step sums the same products in another order than a solo forward (other matmul shapes),
-# so fp32 values move by ulps of the largest value they were summed from: the bound scales with it.
-PACKED_REL = 1e-5
 _SMALL = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -94,14 +92,6 @@ def packed_prompt_logits(llm: nnrun.LLM, prompts: list[list[int]]) -> list[torch
     ]
 
 
-def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, what: str) -> float:
-    """Equal up to summation order, relative to the largest magnitude; returns the max abs difference."""
-    diff = (actual - expected).abs().max().item()
-    bound = PACKED_REL * max(1.0, expected.abs().max().item())
-    assert diff <= bound, f"{what}: max abs diff {diff:.3g} > {bound:.3g}"
-    return diff
-
-
 def assert_packed_matches_hf(
     model: torch.nn.Module,
     prompts: list[list[int]] | None = None,
@@ -119,7 +109,7 @@ def assert_packed_matches_hf(
         if swap_backend is not None:
             swap_backend(llm)
         for prompt, logits in zip(prompts, packed_prompt_logits(llm, prompts)):
-            assert_close_to(logits, hf_logits(oracle, prompt), f"{name} prefill of {len(prompt)} tokens")
+            assert_close_packed(logits, hf_logits(oracle, prompt), msg=f"{name} prefill of {len(prompt)} tokens")
         params = nnrun.SamplingParams(max_tokens=DECODE_STEPS, temperature=0, logprobs=0, ignore_eos=True)
         outputs = llm.generate(prompts, params)
     for prompt, output in zip(prompts, outputs):
@@ -130,7 +120,7 @@ def assert_packed_matches_hf(
             row = expected[len(prompt) - 1 + step]
             assert token == row.argmax().item(), f"{name}: decode step {step} of a {len(prompt)}-token prompt"
             got = torch.tensor(output.outputs[0].logprobs[step][token])
-            assert_close_to(got, row[token], f"{name}: logprob at decode step {step}")
+            assert_close_packed(got, row[token], msg=f"{name}: logprob at decode step {step}")
 
 
 # ---- attention sinks ----------------------------------------------------------------------------
@@ -187,7 +177,7 @@ def test_sink_models_called_plainly_keep_their_sinks():
     oracle = hf_twin(model)
     prompt = prompts_of()[1]
     with nnrun.LLM(model, page_size=4) as llm:
-        assert_close_to(hf_logits(llm.model, prompt), hf_logits(oracle, prompt), "gpt_oss called plainly")
+        assert_close_packed(hf_logits(llm.model, prompt), hf_logits(oracle, prompt), msg="gpt_oss called plainly")
 
 
 # ---- chunked attention --------------------------------------------------------------------------
@@ -262,7 +252,7 @@ def test_attention_probabilities_with_sinks_and_chunks_match_hf_eager(model_type
         with torch.no_grad():
             expected = oracle(torch.tensor([prompt]), output_attentions=True).attentions  # per layer [1, H, T, T]
         for layer, want in enumerate(expected):
-            assert_close_to(seen[layer].for_row(row), want, f"{model_type} layer {layer}, prompt {row}")
+            assert_close_packed(seen[layer].for_row(row), want, msg=f"{model_type} layer {layer}, prompt {row}")
 
 
 # ---- positions the model numbers itself ---------------------------------------------------------
@@ -320,7 +310,7 @@ def test_adapted_models_called_plainly_number_positions_as_hf():
     prompt = prompts_of()[1]
     with nnrun.LLM(model, page_size=4):
         assert "forward" in vars(model.model.decoder.embed_positions)  # the adapter is installed
-        assert_close_to(hf_logits(model, prompt), hf_logits(oracle, prompt), "bart called plainly")
+        assert_close_packed(hf_logits(model, prompt), hf_logits(oracle, prompt), msg="bart called plainly")
 
 
 @pytest.mark.parametrize("model_type", ["bart", "roberta"])
@@ -347,7 +337,7 @@ def test_adapted_positions_survive_decode_cuda_graphs(monkeypatch, model_type):
         for step, token in enumerate(tokens):
             row = expected[len(prompt) - 1 + step]
             assert token == row.argmax().item(), f"{model_type}: replayed decode step {step}"
-            assert_close_to(torch.tensor(output.outputs[0].logprobs[step][token]), row[token], model_type)
+            assert_close_packed(torch.tensor(output.outputs[0].logprobs[step][token]), row[token], msg=model_type)
 
 
 def test_context_ends_where_the_position_table_ends():
@@ -363,7 +353,9 @@ def test_context_ends_where_the_position_table_ends():
     expected = torch.log_softmax(hf_logits(oracle, longest)[-1], dim=-1)
     token = output.outputs[0].token_ids[0]
     assert token == expected.argmax().item()
-    assert_close_to(torch.tensor(output.outputs[0].logprobs[0][token]), expected[token], "roberta at its last position")
+    assert_close_packed(
+        torch.tensor(output.outputs[0].logprobs[0][token]), expected[token], msg="roberta at its last position"
+    )
     whisper = tiny_model("whisper", **_ENCODER_DECODER, **_SMALL_SPECIAL_IDS, max_target_positions=64)
     with nnrun.LLM(whisper, page_size=4) as llm:  # the decoder's table binds, not the config's 256 positions
         assert llm.runner.max_model_len == 64
