@@ -57,6 +57,7 @@ class TraceJob:
     # How `tracer.result` is built from an invocation's finished requests; None: HF's forms (`_result_of`).
     make_result: Callable[[list[Request]], Any] | None = None
     streamer: Any = None  # a generation's own HF streamer: the client's thread feeds it (engine never calls it)
+    shipped: bytes | None = None  # serialized for tensor-parallel ranks (interleaver/tp_ship.py), else None
 
     def __post_init__(self) -> None:
         for invocation in self.invocations:

@@ -172,8 +172,8 @@ def _versions(value: Any) -> list[int]:
 class PackedInterleaver(Interleaver):
     """An interleaver that tells its batcher which location each visit is."""
 
-    def __init__(self, batcher: PackedBatcher) -> None:
-        super().__init__()
+    def __init__(self, batcher: PackedBatcher, fragments: Any = None) -> None:
+        super().__init__(fragments)
         self.batcher = batcher
         self.defer_exceptions = True  # one request's error ends that request, not the step
         self.running_blocks = RunningBlocks()

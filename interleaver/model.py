@@ -42,6 +42,8 @@ from interleaver.runner import NNsightGPUModelRunner
 from interleaver.scan import ScanTracer
 from interleaver.sources import client_source
 from interleaver.streaming import StreamerFeed, generate_streamed
+from interleaver.tp_front import TensorParallelNNsightRunner
+from interleaver.tp_ship import ship_job, tag_envoys
 from interleaver.tracer import NNrunTracer, PendingInvoke
 from nnrun.engine import LLM
 from nnrun.prompts import split_model_input, tokenize_prompt
@@ -169,15 +171,9 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         given.update({key: value for key, value in kwargs.items() if key not in ("dispatch", "meta_buffers")})
         revision = kwargs.get("revision")
         device, dtype, options, tokenizer_settings = engine_kwargs(model_or_path, device, dtype, kwargs)
-        if options.get("tensor_parallel_size", 1) != 1:
-            raise NotImplementedError(
-                f"LanguageModel(tensor_parallel_size={options['tensor_parallel_size']}): nnsight traces are not served "
-                "on tensor-parallel ranks yet (nnrun.LLM(..., tensor_parallel_size=N) serves generation); build the "
-                "model with tensor_parallel_size=1 to trace it"
-            )
-        engine = LLM(
-            model_or_path, tokenizer=tokenizer, device=device, dtype=dtype, runner_cls=NNsightGPUModelRunner, **options
-        )
+        tensor_parallel = options.get("tensor_parallel_size", 1) != 1
+        runner_cls = TensorParallelNNsightRunner if tensor_parallel else NNsightGPUModelRunner
+        engine = LLM(model_or_path, tokenizer=tokenizer, device=device, dtype=dtype, runner_cls=runner_cls, **options)
         apply_tokenizer_settings(engine.tokenizer, tokenizer_settings)
         # Aliases live on the client tree only: they point at the same envoys, whose paths (what the
         # engine's interleaver is asked for) stay HF's.
@@ -188,6 +184,8 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         object.__setattr__(self, "tokenizer", engine.tokenizer)
         set_nnsight_attributes(self, model_or_path, revision, given)
         add_generator(self)
+        if tensor_parallel:  # blocks travel to the ranks; this tree's envoys travel by path
+            tag_envoys(self)
 
     def dispatch(self) -> None:
         """nnsight loads a meta model's weights here; nnrun's engine holds them from the start."""
@@ -297,6 +295,8 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         if job.streamer is not None:  # fed on this thread, never the engine's (see interleaver/streaming.py)
             feed = StreamerFeed(job.streamer, [r.prompt_token_ids for r in job.requests.values()], job.pad_token_id)
             feed.begin()
+        if getattr(self.engine.runner, "ships_jobs", False):  # serialized here, where its saves are known
+            job.shipped = ship_job(job)
         run_trace_job(self.engine, job, feed=feed)
 
     def _generate_plain(self, inputs: tuple, kwargs: dict) -> torch.Tensor:

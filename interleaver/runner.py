@@ -50,9 +50,17 @@ class NNsightGPUModelRunner(ModelRunner):
         self._counts_before_step: dict[str, int] = {}
         batcher = PackedBatcher(_module_path(self.model, self.model.get_output_embeddings()))
         batcher.vocab_size = self.model.get_input_embeddings().num_embeddings
-        self.interleaver = PackedInterleaver(batcher)
-        self.nnsight_model = RunnerModel(self.model, interleaver=self.interleaver)
+        self.interleaver = PackedInterleaver(batcher, fragments=self.value_fragments())
+        self.nnsight_model = RunnerModel(self.model, interleaver=self.interleaver, envoys=self.envoy_classes())
         self.nnsight_requests = NNsightRequestHelper(self.interleaver)
+
+    def value_fragments(self) -> Any:
+        """nnsight's `Fragments` for a model whose values are split over processes (a tensor-parallel rank's)."""
+        return None
+
+    def envoy_classes(self) -> Any:
+        """nnsight's `envoys` option for the runner's tree (None: plain envoys)."""
+        return None
 
     # ---- 1. layout ------------------------------------------------------------------------
     def keeps_all_logits(self, req: Request) -> bool:

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 import nnrun.tp.wire as wire
 from nnrun.config import EngineConfig
-from nnrun.tp.worker import RankSpec, run_rank
+from nnrun.tp.worker import DEFAULT_RANK_RUNNER, RankSpec, run_rank
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class TensorParallelError(RuntimeError):
 class RankGroup:
     """N rank processes on this machine, spawned and joined over torch.distributed."""
 
-    def __init__(self, config: EngineConfig, checkpoint: str) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: str, rank_runner: str = DEFAULT_RANK_RUNNER) -> None:
         parallel = config.parallel
         self.world_size = parallel.tensor_parallel_size
         self.step_timeout_s = parallel.tensor_parallel_timeout
@@ -62,7 +62,14 @@ class RankGroup:
         for rank in range(self.world_size):
             ours, theirs = context.Pipe(duplex=True)
             spec = RankSpec(
-                rank, self.world_size, self._store.port, checkpoint, worker_config, self.step_timeout_s, num_threads
+                rank,
+                self.world_size,
+                self._store.port,
+                checkpoint,
+                worker_config,
+                self.step_timeout_s,
+                num_threads,
+                rank_runner,
             )
             process = context.Process(
                 target=run_rank, args=(spec, theirs, os.getpid()), daemon=True, name=f"nnrun-tp-rank{rank}"
@@ -106,6 +113,21 @@ class RankGroup:
                 if wire.message_kind(header) is wire.MessageKind.ERROR:
                     self._fail_with_report(header, "running a step")
                 return wire.decode_tensor(header, bytearray(self._recv(0, "sending its answer")))
+
+    def exchange(self, payload: bytes) -> bytes:
+        """Send a runner's own message to every rank; returns rank 0's answer (`ShardRunner.serve_exchange`)."""
+        self._send_all(wire.encode_exchange(wire.MessageKind.EXCHANGE, payload))
+        deadline = time.monotonic() + self.step_timeout_s
+        while True:
+            self._wait_any(list(range(self.world_size)), deadline, "answering an exchange")
+            for rank in range(1, self.world_size):
+                if self.conns[rank].poll():
+                    self._fail_with_report(self._recv(rank, "answering an exchange"), "answering an exchange")
+            if self.conns[0].poll():
+                message = self._recv(0, "answering an exchange")
+                if wire.message_kind(message) is wire.MessageKind.ERROR:
+                    self._fail_with_report(message, "answering an exchange")
+                return wire.exchange_payload(message)
 
     def start_profile(self) -> None:
         """Start timing the ranks' collectives (between steps: the caller holds the runner's step lock)."""

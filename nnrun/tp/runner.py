@@ -25,10 +25,13 @@ from nnrun.model_runner import LogitsProcessorOutput, ModelRunner
 from nnrun.sampler import SamplerOutput
 from nnrun.tp.group import RankGroup
 from nnrun.tp.plan import check_tensor_parallel_plan
+from nnrun.tp.worker import DEFAULT_RANK_RUNNER
 
 
 class TensorParallelRunner(ModelRunner):
     """A `ModelRunner` whose forward runs on `tensor_parallel_size` rank processes."""
+
+    rank_runner = DEFAULT_RANK_RUNNER  # the runner each rank runs ("module:Class"); subclasses name their own
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -38,7 +41,7 @@ class TensorParallelRunner(ModelRunner):
 
     def initialize(self) -> None:
         self.load_model()
-        self.group = RankGroup(self.config, self.checkpoint)
+        self.group = RankGroup(self.config, self.checkpoint, self.rank_runner)
         try:
             report = self.group.wait_ready()
         except BaseException:
@@ -197,7 +200,12 @@ def _check_devices(device: str, tp_size: int) -> None:
 
 
 def tensor_parallel_runner_class(runner_cls: type[ModelRunner]) -> type[ModelRunner]:
-    """The runner for `tensor_parallel_size > 1`; refuses runners whose features the ranks do not serve yet."""
+    """The runner for `tensor_parallel_size > 1`; refuses runners whose features the ranks do not serve yet.
+
+    A front-end runner of its own (a `TensorParallelRunner` subclass, such as the nnsight bridge's) is used as is.
+    """
+    if issubclass(runner_cls, TensorParallelRunner):
+        return runner_cls
     if runner_cls is not ModelRunner:
         raise NotImplementedError(
             f"tensor_parallel_size > 1 is served for nnrun.LLM (generation) only so far; {runner_cls.__name__} "

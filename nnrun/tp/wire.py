@@ -29,6 +29,10 @@ class MessageKind(enum.IntEnum):
     PROFILE_START = 7  # front end -> every rank: time collectives from now on
     PROFILE_STOP = 8  # front end -> every rank: stop timing; rank 0 answers with STATS
     STATS = 9  # rank 0 -> front end: the window's wall time and collective time
+    # A runner's own exchange (the nnsight bridge ships traces, steps with them, finished requests):
+    # a pickled payload to every rank, which the rank runner's `serve_exchange` answers on rank 0.
+    EXCHANGE = 10
+    EXCHANGE_REPLY = 11  # rank 0 -> front end: the pickled answer
 
 
 class StepReply(enum.IntEnum):
@@ -168,6 +172,15 @@ def encode_report(kind: MessageKind, report: dict) -> bytes:
 
 def decode_report(message: bytes) -> dict:
     return pickle.loads(message[8:])
+
+
+def encode_exchange(kind: MessageKind, payload: bytes) -> bytes:
+    """EXCHANGE or EXCHANGE_REPLY: a runner's own message, already serialized by the runner."""
+    return np.array([kind], dtype=np.int64).tobytes() + payload
+
+
+def exchange_payload(message: bytes) -> bytes:
+    return bytes(message[8:])
 
 
 def encode_error(rank: int, text: str) -> bytes:

@@ -9,6 +9,7 @@ the others then fail in their next collective, and the front end stops the whole
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import signal
 import threading
@@ -23,12 +24,14 @@ import torch.distributed as dist
 import nnrun.tp.wire as wire
 from nnrun.config import EngineConfig
 from nnrun.model_runner import ModelRunner
+from nnrun.sampler import SamplerOutput
 from nnrun.tp.profiling import CollectiveTimer
 
 PARENT_POLL_S = 0.5  # how often a rank checks that its front end is still alive
 # A rank's collectives wait this much longer than the front end waits for a step, so that a hung
 # peer is reported by the front end as a hang (and the group stopped), not by rank 0 as a timeout.
 COLLECTIVE_TIMEOUT_FACTOR = 1.5
+DEFAULT_RANK_RUNNER = "nnrun.tp.worker:ShardRunner"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +45,9 @@ class RankSpec:
     config: EngineConfig  # the front end's config, without its tokenizer
     timeout_s: float  # the front end's step timeout; collectives give up a little later (the front end speaks first)
     num_threads: int  # torch threads on a CPU rank
+    # "module:Class" of the rank's runner (a `ShardRunner`): named, not imported, so that the engine
+    # never imports the nnsight bridge, whose front-end runner asks for its own rank runner.
+    rank_runner: str = DEFAULT_RANK_RUNNER
 
 
 class ShardRunner(ModelRunner):
@@ -79,6 +85,26 @@ class ShardRunner(ModelRunner):
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         super()._build_kv_cache(int(agreed.item()))
 
+    def sample(self, logits_output, forward_batch):
+        """Rank 0 samples (one sampler decides, as with one rank); every rank gets its tokens.
+
+        Only a rank runner that samples calls this (the nnsight bridge's, whose blocks read and edit
+        `model.samples` on every rank and must see the same tokens there).
+        """
+        if dist.get_rank() == 0:
+            output = super().sample(logits_output, forward_batch)
+        else:
+            rows = logits_output.next_token_logits.shape[0]
+            output = SamplerOutput(torch.zeros(rows, dtype=torch.int64, device=self.device), None, None, None)
+        token_ids = output.token_ids.to(self.device).contiguous()  # [B]
+        dist.broadcast(token_ids, src=0)
+        output.token_ids = token_ids
+        return output
+
+    def serve_exchange(self, payload: bytes) -> bytes | None:
+        """A runner's own message from its front end (`RankGroup.exchange`); rank 0's answer goes back."""
+        raise ValueError(f"{type(self).__name__} serves no exchange messages")
+
 
 def run_rank(spec: RankSpec, conn: Connection, parent_pid: int) -> None:
     """The rank process: join the group, load, report ready, then run steps until told to stop."""
@@ -105,7 +131,8 @@ def _start(spec: RankSpec) -> ShardRunner:
     from transformers.utils.logging import disable_progress_bar
 
     disable_progress_bar()  # no progress bar per rank (its lock would be a semaphore left behind by a killed rank)
-    runner = ShardRunner(config)
+    module_name, class_name = spec.rank_runner.split(":")
+    runner = getattr(importlib.import_module(module_name), class_name)(config)
     runner.initialize()
     return runner
 
@@ -152,6 +179,11 @@ def _serve_steps(runner: ShardRunner, conn: Connection, rank: int) -> None:
             timer = None
             if rank == 0:
                 conn.send_bytes(wire.encode_report(wire.MessageKind.STATS, stats))
+            continue
+        if kind is wire.MessageKind.EXCHANGE:
+            answer = runner.serve_exchange(wire.exchange_payload(message))
+            if rank == 0:
+                conn.send_bytes(wire.encode_exchange(wire.MessageKind.EXCHANGE_REPLY, answer or b""))
             continue
         forward_batch = wire.decode_step(message, page_size)
         logits = runner.run_model(forward_batch)  # [R, V], every rank
