@@ -23,6 +23,7 @@ class AttentionLayerInfo:
     softcap: float | None
     has_sinks: bool = False  # a per-head sink logit joins the softmax (gpt-oss, Granite SWA)
     chunk_size: int | None = None  # chunked attention (Llama 4): a query sees only keys of its own chunk
+    has_alibi: bool = False  # per-head ALiBi slopes bias each score by key distance (Bloom, MPT, Falcon)
 
 
 class _ProbeBackend(AttentionBackend):
@@ -36,11 +37,21 @@ class _ProbeBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch) -> None:
         pass
 
-    def forward(self, layer_idx, q, k, v, scaling, sliding_window, softcap, sinks=None, chunk_size=None):
+    def forward(
+        self, layer_idx, q, k, v, scaling, sliding_window, softcap, sinks=None, chunk_size=None, alibi_slopes=None
+    ):
         shape = LayerKVShape(num_kv_heads=k.shape[1], head_dim=k.shape[2], v_head_dim=v.shape[2])
         self.calls.append(
             AttentionLayerInfo(
-                layer_idx, q.shape[1], shape, scaling, sliding_window, softcap, sinks is not None, chunk_size
+                layer_idx,
+                q.shape[1],
+                shape,
+                scaling,
+                sliding_window,
+                softcap,
+                sinks is not None,
+                chunk_size,
+                alibi_slopes is not None,
             )
         )
         return q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))

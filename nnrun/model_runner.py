@@ -13,6 +13,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBackend, forward_context, hf_masks_skipped
+from nnrun.attention.classic import adapt_classic_attention
 from nnrun.attention.probabilities import AttentionProbsPlan
 from nnrun.attention.selection import create_attention_backend
 from nnrun.config import EngineConfig
@@ -42,6 +43,8 @@ class LogitsProcessorOutput:
 class ModelRunner(KVPoolSetup):
     """Runs the unmodified HF module tree over one flat packed batch per step."""
 
+    attn_implementation: str = ATTN_IMPLEMENTATION  # the name the model's config keeps for its attention (load_model)
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device.device)
@@ -64,7 +67,11 @@ class ModelRunner(KVPoolSetup):
         self.model, self.tokenizer, self.model_name = loaded.model, loaded.tokenizer, loaded.name
         self.dtype = self.config.device.torch_dtype
         self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        # What the model's config names after that: its own eager/sdpa where it cannot take ours (families
+        # whose attention is their own code: nnrun/attention/classic routes them, not the interface).
+        self.attn_implementation = self.model.config._attn_implementation
         adapt_positions(self.model)  # modules that number positions themselves take each request's own
+        adapt_classic_attention(self.model)  # families whose attention is their own code (GPT-J, Bloom, ...)
         self.layers: list[AttentionLayerInfo] = []
         # Why the packed path cannot serve this model, known before any packed step runs (None: ask the probe).
         self.packed_unfit: str | None = (
@@ -265,13 +272,13 @@ class ModelRunner(KVPoolSetup):
         Any other implementation would attend across the packed requests' boundaries by position
         heuristics at best, and ignore the KV cache at decode.
         """
-        if self.model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        if self.model.config._attn_implementation != self.attn_implementation:
             logger.warning(
                 "the model's attention implementation was changed to %r outside nnrun; restoring %r",
                 self.model.config._attn_implementation,
-                ATTN_IMPLEMENTATION,
+                self.attn_implementation,
             )
-            self.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+            self.model.set_attn_implementation(self.attn_implementation)
 
     def grad_context(self, forward_batch: ForwardBatch) -> AbstractContextManager:
         """Autograd is off for serving; subclasses turn it on for requests that ask for gradients."""

@@ -39,6 +39,8 @@ class AttentionBackend(ABC):
         softcap: float | None,
         sinks: torch.Tensor | None = None,  # [Hq] one extra softmax logit per head, its probability dropped
         chunk_size: int | None = None,  # chunked attention: a query sees only keys of its own chunk
+        # ALiBi: [Hq] float32 slopes; `slope * (key_pos - query_pos)` joins each scaled logit (Bloom, MPT, Falcon)
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [N, Hq, Dv]
         ...
 

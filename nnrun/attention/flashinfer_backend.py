@@ -22,6 +22,7 @@ from nnrun.attention.flashinfer_plan import (
     pad_decode_plan,
     plan_forward_batch,
 )
+from nnrun.attention.torch_backend import TorchAttnBackend
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.memory import KVPool
 from nnrun.model_probe import AttentionLayerInfo
@@ -45,6 +46,10 @@ class FlashInferAttnBackend(AttentionBackend):
     prefill wrapper (extend and mixed steps) and a decode wrapper (all-decode steps), and all
     wrappers share one float workspace. `init_forward_metadata` plans the step's wrapper of every
     group once; `forward` writes the layer's new K/V into the pool and runs its group's wrapper.
+
+    ALiBi layers (Bloom, MPT, Falcon) attend through the torch backend over the same pool:
+    FlashInfer's ALIBI mode uses only its own built-in slopes, which are not MPT's for a head count
+    that is not a power of two, nor Falcon's (its slopes are divided by sqrt(head_dim)).
     """
 
     name = "flashinfer"
@@ -71,6 +76,8 @@ class FlashInferAttnBackend(AttentionBackend):
         if unplanned:
             raise ValueError(f"the flashinfer attention backend cannot serve this model: {unplanned}")
         self.sink_layers = {layer.layer_idx for layer in layers if layer.has_sinks}
+        self.alibi_layers = {layer.layer_idx for layer in layers if layer.has_alibi}
+        self.alibi_attention = TorchAttnBackend(kv_pool, device) if self.alibi_layers else None
         self.groups: list[PlanGroup] = group_layers(layers)
         self.layer_to_group = layer_to_group_index(self.groups, len(layers))
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)  # [bytes]
@@ -91,6 +98,8 @@ class FlashInferAttnBackend(AttentionBackend):
         self.metadata: _StepMetadata | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        if self.alibi_attention is not None:
+            self.alibi_attention.init_forward_metadata(forward_batch)
         # One set of page tables per chunk size among the groups (None: whole-prefix attention).
         plans = {
             chunk_size: plan_forward_batch(forward_batch, self.kv_pool.page_size, chunk_size)
@@ -160,8 +169,11 @@ class FlashInferAttnBackend(AttentionBackend):
     # ---- CUDA graphs ------------------------------------------------------------------------
     @property
     def supports_cuda_graphs(self) -> bool:
-        # Graph wrappers share one set of page-table buffers, which chunked groups cannot share.
-        return all(group.has_decode_kernel and group.chunk_size is None for group in self.groups)
+        # Graph wrappers share one set of page-table buffers, which chunked groups cannot share;
+        # ALiBi layers attend through the torch backend, whose decode plan is not built for graphs.
+        return not self.alibi_layers and all(
+            group.has_decode_kernel and group.chunk_size is None for group in self.groups
+        )
 
     def init_cuda_graph_state(self, batch_sizes: Sequence[int]) -> None:
         """One graph-mode decode wrapper per (batch size, group), all reading one set of page tables.
@@ -214,7 +226,18 @@ class FlashInferAttnBackend(AttentionBackend):
         ]
         self.metadata = _StepMetadata(out_cache_loc, ForwardMode.DECODE, wrappers)
 
-    def forward(self, layer_idx, q, k, v, scaling, sliding_window, softcap, sinks=None, chunk_size=None):
+    def forward(
+        self, layer_idx, q, k, v, scaling, sliding_window, softcap, sinks=None, chunk_size=None, alibi_slopes=None
+    ):
+        if (alibi_slopes is not None) != (layer_idx in self.alibi_layers):
+            raise RuntimeError(
+                f"layer {layer_idx} attends {'with' if alibi_slopes is not None else 'without'} ALiBi "
+                "slopes, unlike at the load-time probe"
+            )
+        if alibi_slopes is not None:
+            return self.alibi_attention.forward(
+                layer_idx, q, k, v, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes
+            )
         meta = self.metadata
         self.kv_pool.write(layer_idx, meta.out_cache_loc, k, v)
         if not meta.wrappers:

@@ -53,6 +53,7 @@ def paged_attention_forward(
     if query_rescale is not None and position_ids is not None:
         q = (q * query_rescale(module, position_ids)[:, None, None]).to(q.dtype)  # [N, Hq, D]
     sliding_window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    alibi_slopes = kwargs.get("alibi_slopes")  # given only by nnrun's own classic-family adapters (attention/classic)
     chunk_size = attention_chunk_size(module)
     out = backend.forward(
         module.layer_idx,
@@ -64,13 +65,14 @@ def paged_attention_forward(
         softcap=softcap,
         sinks=sinks,
         chunk_size=chunk_size,
+        alibi_slopes=alibi_slopes,
     )  # [N, Hq, Dv]
     probs_plan = current_probs_plan()
     if probs_plan is None:  # nobody in the step asked: the second output is None, as sdpa's
         return out.unsqueeze(0), None  # [1, N, Hq, Dv]
     # After the backend: it has written this layer's K into the pool, and its output stays as it is.
     probs = probs_plan.compute(
-        backend.kv_pool, module.layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size
+        backend.kv_pool, module.layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes
     )
     return out.unsqueeze(0), probs
 

@@ -1,4 +1,4 @@
-"""Which keys a query may see: causal, a sliding window, attention chunks (HF's mask rules, per request)."""
+"""Which keys a query may see (causal, a sliding window, attention chunks) and ALiBi's bias on them, per request."""
 
 from __future__ import annotations
 
@@ -20,3 +20,12 @@ def allowed_keys(
     if chunk_size is not None:
         allowed &= kv_pos >= q_pos - q_pos % chunk_size
     return allowed
+
+
+def alibi_bias(slopes: torch.Tensor, num_kv_heads: int, distance: torch.Tensor) -> torch.Tensor:
+    """Float32 `slope_h * (key_pos - query_pos)`, heads grouped as [Hkv, R]: `distance` is [..., n, L].
+
+    The result broadcasts against [..., Hkv, R, n, L] when `distance` has singleton head dims in front.
+    """
+    grouped = slopes.float().view(num_kv_heads, -1, 1, 1)  # [Hkv, R, 1, 1]
+    return grouped * distance

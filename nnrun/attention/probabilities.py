@@ -4,7 +4,7 @@ A packed step has no `[B, H, T, T_kv]` tensor, and the fast kernels never form t
 So for the requests that asked (`ForwardBatch.attention_probs_rows`) the HF glue recomputes them
 after the backend has attended: from the same query and from the request's keys in the paged
 pool (which the backend has just written), the way HF's eager attention does: `QK^T * scaling`,
-the tanh softcap, the bottom-right causal and sliding-window mask, softmax in float32, cast back
+the ALiBi bias, the tanh softcap, the bottom-right causal and sliding-window mask, softmax in float32, cast back
 to the model's dtype. The fast path's output is never touched, so the other requests of the step
 are bitwise what they would be if nobody asked.
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nnrun.attention.masks import allowed_keys
+from nnrun.attention.masks import alibi_bias, allowed_keys
 from nnrun.forward_batch import ForwardBatch
 from nnrun.memory import KVPool
 
@@ -60,13 +60,14 @@ class _AskingRequest:
     q_len: int
     prefix_len: int
     kv_slots: torch.Tensor  # [seq_len] int64 on the device: its whole KV after this step
-    # (window, chunk) -> (slots, mask): the same for every layer of that kind in a step
+    # (window, chunk) -> (slots, mask, key_pos - query_pos [n, L]): the same for every layer of that kind in a step
     by_window: dict = field(default_factory=dict)
 
     def keys(
         self, sliding_window: int | None, chunk_size: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The slots of the keys HF's cache holds for this layer kind, and the mask over them (None: all allowed)."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The slots of the keys HF's cache holds for this layer kind, the mask over them (None: all allowed)
+        and each key's distance from each query (float32, for ALiBi)."""
         kind = (sliding_window, chunk_size)
         if kind not in self.by_window:
             seq_len = self.prefix_len + self.q_len
@@ -77,7 +78,7 @@ class _AskingRequest:
             allowed = allowed_keys(q_pos, kv_pos, sliding_window, chunk_size)  # [n, L]
             # one query sees every key it is given (the window's), unless chunks hide some of them
             mask = None if self.q_len == 1 and chunk_size is None else allowed
-            self.by_window[kind] = (self.kv_slots[kv_start:], mask)
+            self.by_window[kind] = (self.kv_slots[kv_start:], mask, (kv_pos - q_pos).float())
         return self.by_window[kind]
 
 
@@ -116,14 +117,22 @@ class AttentionProbsPlan:
         softcap: float | None,
         sinks: torch.Tensor | None = None,
         chunk_size: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> AttentionProbs:
         """`q` is the step's `[N, Hq, D]` queries; the layer's keys are already in the pool."""
         k_flat = kv_pool.k_flat(layer_idx)  # [num_slots, Hkv, D]
         by_row = {}
         for req in self.requests:
-            slots, mask = req.keys(sliding_window, chunk_size)
+            slots, mask, distance = req.keys(sliding_window, chunk_size)
+            alibi = None if alibi_slopes is None else alibi_bias(alibi_slopes, k_flat.shape[1], distance)
             by_row[req.row] = _eager_probs(
-                q[req.q_start : req.q_start + req.q_len], k_flat.index_select(0, slots), mask, scaling, softcap, sinks
+                q[req.q_start : req.q_start + req.q_len],
+                k_flat.index_select(0, slots),
+                mask,
+                scaling,
+                softcap,
+                sinks,
+                alibi,
             )
         return AttentionProbs(by_row)
 
@@ -135,8 +144,12 @@ def _eager_probs(
     scaling: float,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """HF eager's softmax for one request: q `[n, Hq, D]`, keys `[L, Hkv, D]`, mask `[n, L]` -> `[1, Hq, n, L]`.
+
+    `alibi` (`[Hkv, G, n, L]` float32) joins the scaled scores, computed then in float32 as the ALiBi
+    families' HF attention softmaxes them.
 
     With attention sinks (`[Hq]`), each head's sink logit joins the softmax and its probability is
     dropped, as the sink families' eager attention returns them.
@@ -145,6 +158,8 @@ def _eager_probs(
     num_kv_heads = keys.shape[1]
     grouped_q = q.view(num_q, num_kv_heads, num_q_heads // num_kv_heads, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
     scores = torch.matmul(grouped_q, keys.permute(1, 2, 0)[:, None]) * scaling  # [Hkv, G, n, L] (HF's repeat_kv)
+    if alibi is not None:
+        scores = scores.float() + alibi
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:

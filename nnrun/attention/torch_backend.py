@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from nnrun.attention.base import AttentionBackend
-from nnrun.attention.masks import allowed_keys
+from nnrun.attention.masks import alibi_bias, allowed_keys
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -52,8 +52,8 @@ class TorchAttnBackend(AttentionBackend):
     Extend steps batch requests of equal (prefix, length) shape into one call each (causal,
     bottom-right aligned), as HF's padded batch would for equal prompts; decode steps gather every
     request's KV into one padded batch. Softmax runs in float32 when a softcap or attention sinks
-    are present (as HF's eager path does); otherwise torch's SDPA kernel does the work. Sliding
-    windows and attention chunks are masked per request, at its own positions.
+    or ALiBi slopes are present (as HF's eager path does); otherwise torch's SDPA kernel does the
+    work. Sliding windows, attention chunks and ALiBi biases apply per request, at its own positions.
     """
 
     name = "torch"
@@ -70,11 +70,13 @@ class TorchAttnBackend(AttentionBackend):
         groups = _extend_groups(forward_batch, self.device)
         self.metadata = _TorchMetadata(out_cache_loc, ForwardMode.EXTEND, groups, None, None)
 
-    def forward(self, layer_idx, q, k, v, scaling, sliding_window, softcap, sinks=None, chunk_size=None):
+    def forward(
+        self, layer_idx, q, k, v, scaling, sliding_window, softcap, sinks=None, chunk_size=None, alibi_slopes=None
+    ):
         meta = self.metadata
         self.kv_pool.write(layer_idx, meta.out_cache_loc, k, v)
         if meta.mode is ForwardMode.DECODE:
-            return self._decode(layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size)
+            return self._decode(layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes)
         k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))  # [N, Hq, Dv]
         for group in meta.extend_groups:
@@ -96,7 +98,16 @@ class TorchAttnBackend(AttentionBackend):
                 keys = k_flat.index_select(0, slots).view(*group.kv_slots.shape, *k_flat.shape[1:])  # [G, L, Hkv, D]
                 values = v_flat.index_select(0, slots).view(*group.kv_slots.shape, *v_flat.shape[1:])
             attended = _attend(
-                group_q, keys, values, group.prefix_len, scaling, sliding_window, softcap, sinks, chunk_size
+                group_q,
+                keys,
+                values,
+                group.prefix_len,
+                scaling,
+                sliding_window,
+                softcap,
+                sinks,
+                chunk_size,
+                alibi_slopes,
             )  # [G, n, Hq, Dv]
             if group.token_indices is None:
                 out[tokens] = attended.reshape(num * q_len, *attended.shape[2:])
@@ -104,7 +115,7 @@ class TorchAttnBackend(AttentionBackend):
                 out.index_copy_(0, group.token_indices, attended.reshape(num * q_len, *attended.shape[2:]))
         return out
 
-    def _decode(self, layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size):
+    def _decode(self, layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes):
         meta = self.metadata
         batch_slots = meta.decode_slots.flatten()  # [B * L]
         k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
@@ -117,7 +128,7 @@ class TorchAttnBackend(AttentionBackend):
             allowed = meta.decode_masks[sliding_window, chunk_size] = _decode_mask(
                 meta.decode_seq_lens, keys.shape[1], sliding_window, chunk_size
             )
-        if softcap is None and sinks is None:
+        if softcap is None and sinks is None and alibi_slopes is None:
             out = F.scaled_dot_product_attention(
                 q[:, :, None, :],
                 keys.transpose(1, 2),
@@ -127,7 +138,12 @@ class TorchAttnBackend(AttentionBackend):
                 enable_gqa=q.shape[1] != keys.shape[2],
             )  # [B, Hq, 1, Dv]
             return out[:, :, 0]
-        out = _eager_attend(q[:, None], keys, values, allowed[:, None], scaling, softcap, sinks)  # [B, 1, Hq, Dv]
+        alibi = None
+        if alibi_slopes is not None:
+            kv_pos = torch.arange(keys.shape[1], device=q.device)  # [L]
+            distance = (kv_pos[None, :] - (meta.decode_seq_lens - 1)[:, None]).float()  # [B, L] key_pos - query_pos
+            alibi = alibi_bias(alibi_slopes, keys.shape[2], distance[:, None, None, None, :])  # [B, Hkv, R, 1, L]
+        out = _eager_attend(q[:, None], keys, values, allowed[:, None], scaling, softcap, sinks, alibi)  # [B,1,Hq,Dv]
         return out[:, 0]
 
 
@@ -173,16 +189,18 @@ def _extend_groups(forward_batch: ForwardBatch, device: torch.device) -> list[_E
     return groups
 
 
-def _attend(q, k, v, prefix_len, scaling, sliding_window, softcap, sinks, chunk_size):
+def _attend(q, k, v, prefix_len, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes=None):
     """G requests of one shape: q [G, n, Hq, D] at positions prefix_len.., k/v [G, L, Hkv, D] at 0..L-1."""
     q_len, kv_len = q.shape[1], k.shape[1]
     limits_bind = any(limit is not None and limit < kv_len for limit in (sliding_window, chunk_size))
-    allowed = None
-    if prefix_len > 0 or limits_bind:
+    allowed = alibi = None
+    if prefix_len > 0 or limits_bind or alibi_slopes is not None:
         q_pos = torch.arange(prefix_len, prefix_len + q_len, device=q.device)[:, None]  # [n, 1]
         kv_pos = torch.arange(kv_len, device=q.device)[None, :]  # [1, L]
         allowed = allowed_keys(q_pos, kv_pos, sliding_window, chunk_size)  # [n, L]
-    if softcap is None and sinks is None:
+        if alibi_slopes is not None:
+            alibi = alibi_bias(alibi_slopes, k.shape[2], (kv_pos - q_pos).float())  # [Hkv, R, n, L]
+    if softcap is None and sinks is None and alibi is None:
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -195,20 +213,23 @@ def _attend(q, k, v, prefix_len, scaling, sliding_window, softcap, sinks, chunk_
         return out.transpose(1, 2)
     if allowed is None:
         allowed = torch.ones((q_len, kv_len), dtype=torch.bool, device=q.device).tril()
-    return _eager_attend(q, k, v, allowed, scaling, softcap, sinks)
+    return _eager_attend(q, k, v, allowed, scaling, softcap, sinks, alibi)
 
 
-def _eager_attend(q, k, v, allowed, scaling, softcap, sinks):
-    """HF eager's arithmetic in float32: softcap, mask, softmax with each head's sink logit, then values.
+def _eager_attend(q, k, v, allowed, scaling, softcap, sinks, alibi=None):
+    """HF eager's arithmetic in float32: ALiBi bias, softcap, mask, softmax with each head's sink logit, then values.
 
-    q [G, n, Hq, D], k/v [G, L, Hkv, D], `allowed` broadcast to [G, Hkv, R, n, L], `sinks` [Hq] or None.
-    A sink is one more logit in each query's softmax whose probability is dropped (gpt-oss, Granite SWA).
+    q [G, n, Hq, D], k/v [G, L, Hkv, D], `allowed` and `alibi` (float32) broadcast to [G, Hkv, R, n, L],
+    `sinks` [Hq] or None. A sink is one more logit in each query's softmax whose probability is dropped
+    (gpt-oss, Granite SWA).
     """
     num, q_len, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_q_heads // num_kv_heads
     grouped_q = q.view(num, q_len, num_kv_heads, group, head_dim)  # [G, n, Hkv, R, D]
     scores = torch.einsum("bnkrd,blkd->bkrnl", grouped_q.float(), k.float()) * scaling  # [G, Hkv, R, n, L]
+    if alibi is not None:
+        scores = scores + alibi
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed, float("-inf"))

@@ -1,0 +1,15 @@
+"""Classic families whose attention is their own code, routed through the engine's paged attention.
+
+GPT-J, GPT-Neo, CodeGen, GPT-NeoX-Japanese, Bloom, Falcon and MPT never call transformers'
+attention interface: their modules compute scores, mask, softmax and the weighted sum themselves.
+A pass over the built model (`adapt_classic_attention`) replaces, on each such module instance,
+only that core: inside an engine step it goes through `paged_attention_forward` (the backend, the
+paged KV cache, attention probabilities when asked), while the module's own projections, rotary,
+head splitting and output projection still run as HF's code, so every submodule hook fires with
+HF's values. Outside a step (a plain call, the exact path, HF's reference forwards) the module is
+HF's own. The load-time probe (`nnrun/exact/probe.py`) still judges the result.
+"""
+
+from nnrun.attention.classic.registry import adapt_classic_attention
+
+__all__ = ["adapt_classic_attention"]

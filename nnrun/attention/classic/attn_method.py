@@ -1,0 +1,64 @@
+"""Families whose attention module computes its core in a method `_attn(query, key, value, attention_mask)`.
+
+GPT-J, GPT-Neo, CodeGen and GPT-NeoX-Japanese: `forward` projects, splits heads and applies rotary
+(from the `position_ids` it is given, the step's per-request positions), then calls `self._attn` on
+`[B, H, T, D]` tensors, which returns `(attn_output [B, H, T, D], attn_weights)`. Only `_attn` is
+replaced on the instance; within a step it attends through the paged backend and returns the
+probabilities slot the glue gives (None unless a request asked).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from nnrun.attention.classic.core import attend_packed, in_engine_step
+
+_FAMILY = "_nnrun_attn_method_family"
+
+
+@dataclass(frozen=True)
+class AttnMethodFamily:
+    """How one family's `_attn` scales and masks its scores."""
+
+    scaling: Callable[[torch.nn.Module], float]  # multiplies q.k (HF divides by a norm factor, or not at all)
+    sliding_window: Callable[[torch.nn.Module], int | None] = lambda module: None
+    layer_index_attribute: str = "layer_idx"  # where HF keeps the layer's index (GPT-Neo: `layer_id`)
+
+
+def install(family: AttnMethodFamily) -> Callable[[torch.nn.Module], None]:
+    def adapt(module: torch.nn.Module) -> None:
+        if getattr(module, "layer_idx", None) is None:
+            module.layer_idx = getattr(module, family.layer_index_attribute)
+        module.__dict__[_FAMILY] = family
+        # A method bound to the module (not a closure): a deep copy of the model rebinds it to the copy.
+        module._attn = types.MethodType(_attn, module)
+
+    return adapt
+
+
+def _attn(self: torch.nn.Module, query, key, value, attention_mask=None, *args, **kwargs):
+    """HF's `_attn` outside a step; inside, the paged attention (the step's own masks, not HF's packed one)."""
+    if not in_engine_step():
+        return type(self)._attn(self, query, key, value, attention_mask, *args, **kwargs)
+    family: AttnMethodFamily = self.__dict__[_FAMILY]
+    out, probs = attend_packed(
+        self, query, key, value, family.scaling(self), sliding_window=family.sliding_window(self)
+    )  # [1, N, H, Dv]
+    return out.transpose(1, 2), probs  # [1, H, N, Dv], as HF's matmul of weights and values
+
+
+def _gpt_neo_window(module: torch.nn.Module) -> int | None:
+    # A local layer masks keys `window_size` or more positions back: HF's sliding window of that size.
+    return module.config.window_size if module.attention_type == "local" else None
+
+
+GPTJ = AttnMethodFamily(scaling=lambda module: 1.0 / module.scale_attn)
+CODEGEN = AttnMethodFamily(scaling=lambda module: 1.0 / float(module.scale_attn))
+GPT_NEO = AttnMethodFamily(  # GPT-Neo does not scale its scores
+    scaling=lambda module: 1.0, sliding_window=_gpt_neo_window, layer_index_attribute="layer_id"
+)
+GPT_NEOX_JAPANESE = AttnMethodFamily(scaling=lambda module: 1.0 / module.norm_factor)

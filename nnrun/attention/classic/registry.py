@@ -1,0 +1,39 @@
+"""Which attention module classes have a classic adapter, and the pass that applies them to a model."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from nnrun.attention.classic import attn_method, bloom, falcon, mpt
+
+_MODELS = "transformers.models"
+# The exact HF class (its module path and name) -> what adapts an instance. Subclasses (the flash
+# variants) are not adapted: they stay off the interface, and the probe sends them to the exact path.
+ADAPTERS: dict[str, Callable[[torch.nn.Module], None]] = {
+    f"{_MODELS}.gptj.modeling_gptj.GPTJAttention": attn_method.install(attn_method.GPTJ),
+    f"{_MODELS}.codegen.modeling_codegen.CodeGenAttention": attn_method.install(attn_method.CODEGEN),
+    f"{_MODELS}.gpt_neo.modeling_gpt_neo.GPTNeoSelfAttention": attn_method.install(attn_method.GPT_NEO),
+    f"{_MODELS}.gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseAttention": attn_method.install(
+        attn_method.GPT_NEOX_JAPANESE
+    ),
+    f"{_MODELS}.bloom.modeling_bloom.BloomAttention": bloom.adapt,
+    f"{_MODELS}.falcon.modeling_falcon.FalconAttention": falcon.adapt,
+    f"{_MODELS}.mpt.modeling_mpt.MptAttention": mpt.adapt,
+}
+_ADAPTED = "_nnrun_classic_attention"  # set on an adapted module: the pass runs once per module
+
+
+def adapt_classic_attention(model: torch.nn.Module) -> list[str]:
+    """Route every classic attention module of `model` through the paged attention; returns their paths (idempotent)."""
+    adapted = []
+    for path, module in model.named_modules():
+        adapter = ADAPTERS.get(f"{type(module).__module__}.{type(module).__qualname__}")
+        if adapter is None:
+            continue
+        if not module.__dict__.get(_ADAPTED, False):
+            adapter(module)
+            module.__dict__[_ADAPTED] = True
+        adapted.append(path)
+    return adapted

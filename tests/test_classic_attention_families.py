@@ -1,0 +1,204 @@
+"""Classic families whose attention is their own code (nnrun/attention/classic), on the packed path.
+
+GPT-J, GPT-Neo, CodeGen, GPT-NeoX-Japanese, Bloom, Falcon and MPT, built tiny (fp32, random
+weights). The oracle is plain HF, one prompt at a time: packed prefill logits of three prompts of
+different lengths, then greedy decode steps (tokens and logprobs); ALiBi on the torch backend and
+on the FlashInfer backend (its torch emulator on CPU); an nnsight read of an attention submodule;
+attention probabilities; and the adapted model called plainly, outside any engine step.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from typing import Callable
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+import nnrun
+from fake_flashinfer import make_fake_flashinfer
+from families.tiny import tiny_config
+from nnrun.attention.classic import adapt_classic_attention
+from nnrun.attention.flashinfer_backend import FlashInferAttnBackend
+from nnrun.forward_batch import OUTPUT_ATTENTIONS_ARG
+from test_packed_families import assert_packed_matches_hf, prompts_of
+from tolerance import PACKED_REL, assert_close_packed
+
+
+def _set(**values) -> Callable[[PretrainedConfig], None]:
+    def apply(config: PretrainedConfig) -> None:
+        for name, value in values.items():
+            setattr(config, name, value)
+
+    return apply
+
+
+def _mpt_six_heads_clipped(config: PretrainedConfig) -> None:
+    config.n_heads, config.d_model = 6, 96  # not a power of two: MPT's own slope order
+    config.attn_config.clip_qkv = 0.5
+
+
+# name -> (model_type, config change): each family as the tiny sweep builds it, plus the variants
+# that change its attention (local window, ALiBi, grouped or multi-query KV, head counts).
+VARIANTS: dict[str, tuple[str, Callable[[PretrainedConfig], None] | None]] = {
+    "gptj": ("gptj", None),
+    "codegen": ("codegen", None),
+    "gpt_neo_local_window": ("gpt_neo", _set(window_size=4)),  # layer 1 is local: a 4-token window binds
+    "gpt_neox_japanese": ("gpt_neox_japanese", None),
+    "bloom": ("bloom", None),
+    "bloom_six_heads": ("bloom", _set(n_head=6, hidden_size=96)),
+    "falcon_multi_query": ("falcon", None),
+    "falcon_multi_head": ("falcon", _set(multi_query=False, num_kv_heads=4)),
+    "falcon_grouped": ("falcon", _set(new_decoder_architecture=True, num_kv_heads=2)),
+    "falcon_alibi": ("falcon", _set(alibi=True, multi_query=False, num_kv_heads=4)),
+    "mpt": ("mpt", None),
+    "mpt_six_heads_clipped": ("mpt", _mpt_six_heads_clipped),
+}
+ALIBI_VARIANTS = ["bloom", "bloom_six_heads", "falcon_alibi", "mpt", "mpt_six_heads_clipped"]
+
+
+def build(variant: str) -> torch.nn.Module:
+    model_type, change = VARIANTS[variant]
+    config = tiny_config(model_type)
+    if change is not None:
+        change(config)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def plain_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """An independent copy of `model` as plain HF built it (nothing adapted)."""
+    twin = type(model)(copy.deepcopy(model.config)).eval()
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_classic_family_runs_packed_and_matches_hf(variant):
+    assert_packed_matches_hf(build(variant))  # asserts the packed path serves it
+
+
+def _use_flashinfer(llm: nnrun.LLM) -> None:
+    runner = llm.runner
+    runner.attn_backend = FlashInferAttnBackend(runner.kv_pool, runner.device, runner.layers, workspace_bytes=1 << 16)
+
+
+@pytest.mark.parametrize("variant", ["bloom", "falcon_alibi", "mpt_six_heads_clipped"])
+def test_alibi_on_the_flashinfer_backend_matches_hf(monkeypatch, variant):
+    monkeypatch.setitem(sys.modules, "flashinfer", make_fake_flashinfer())
+    assert_packed_matches_hf(build(variant), swap_backend=_use_flashinfer)
+
+
+@pytest.mark.parametrize("variant", ["bloom", "falcon_alibi", "mpt"])
+def test_load_time_probe_records_alibi_layers(variant):
+    with nnrun.LLM(build(variant), page_size=4) as llm:
+        assert [layer.has_alibi for layer in llm.runner.layers] == [True, True]
+
+
+def test_without_its_alibi_bloom_would_differ_from_hf():
+    """The slopes bind at these sizes: without them the logits move ten times past the packed tolerance and more."""
+    model = build("bloom")
+    prompt = prompts_of()[1]
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits
+        for module in model.modules():
+            if type(module).__name__ == "BloomAttention":
+                module.beta = 0.0  # HF's own weight of the ALiBi term
+        without = model(torch.tensor([prompt])).logits
+    assert (without - expected).abs().max() > 10 * PACKED_REL * expected.abs().max()
+
+
+@pytest.mark.parametrize(
+    "variant, submodule",
+    [
+        ("gptj", lambda model: model.transformer.h[0].attn.out_proj),
+        ("bloom", lambda model: model.transformer.h[1].self_attention.dense),
+        ("falcon_alibi", lambda model: model.transformer.h[0].self_attention.query_key_value),
+        ("mpt", lambda model: model.transformer.blocks[1].attn.out_proj),
+    ],
+)
+def test_nnsight_reads_of_attention_submodules_match_hf_hooks(variant, submodule):
+    """Reads inside a packed trace of two prompts equal a forward hook on plain HF, each prompt alone."""
+    model = build(variant)
+    oracle = plain_twin(model)
+    prompts = prompts_of()[:2]
+    expected = []
+    handle = submodule(oracle).register_forward_hook(lambda module, args, output: expected.append(output))
+    with torch.no_grad():
+        for prompt in prompts:
+            oracle(torch.tensor([prompt]))
+    handle.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = nnrun.LanguageModel(model, max_num_seqs=4, max_model_len=64)
+    try:
+        assert lm.engine.runner.exact_forward is None, f"{variant} is served by the exact path, not packed"
+        saved = []
+        with lm.trace() as tracer:
+            for prompt in prompts:
+                with tracer.invoke(list(prompt)):
+                    saved.append(submodule(lm).output.save())
+    finally:
+        lm.shutdown()
+    for prompt, got, want in zip(prompts, saved, expected):
+        assert_close_packed(got, want, msg=f"{variant}: a {len(prompt)}-token prompt")
+
+
+@pytest.mark.parametrize("variant", ["bloom", "mpt_six_heads_clipped", "gpt_neo_local_window"])
+def test_attention_probabilities_match_hf_eager(variant):
+    """Requests that ask get HF eager's probabilities (ALiBi and the local window applied), per request."""
+    model = build(variant)
+    oracle = plain_twin(model)
+    prompts = prompts_of()
+    seen: dict = {}
+    with nnrun.LLM(model, page_size=4) as llm:
+        runner = llm.runner
+        attention = [module for module in model.modules() if hasattr(module, "_nnrun_classic_attention")]
+        assert attention and runner.exact_forward is None
+        reqs = [
+            llm.make_request(prompt, nnrun.SamplingParams(max_tokens=1), extra_args={OUTPUT_ATTENTIONS_ARG: True})
+            for prompt in prompts
+        ]
+
+        def record(module, args, output) -> None:
+            seen[module.layer_idx] = output[1]
+
+        handles = [module.register_forward_hook(record) for module in attention]
+        try:
+            for req in reqs:
+                req.page_ids = runner.allocator.alloc(runner.allocator.pages_needed(req.num_tokens))
+                req.req_pool_idx = runner.req_to_token_pool.alloc()
+            runner.forward(runner.prepare_forward_batch_extend(reqs))
+        finally:
+            for handle in handles:
+                handle.remove()
+            for req in reqs:
+                runner.release_kv(req)
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            expected = oracle(torch.tensor([prompt]), output_attentions=True).attentions  # per layer [1, H, T, T]
+        for layer, want in enumerate(expected):
+            assert_close_packed(seen[layer].for_row(row), want, msg=f"{variant} layer {layer}, prompt {row}")
+
+
+@pytest.mark.parametrize("variant", ["gptj", "gpt_neo_local_window", "bloom", "falcon_alibi", "mpt"])
+def test_adapted_models_called_plainly_are_hf_exactly(variant):
+    """Outside an engine step an adapted module is HF's own: same logits, cache and attention weights."""
+    model = build(variant)
+    oracle = plain_twin(model)
+    assert adapt_classic_attention(model)
+    ids = torch.tensor([prompts_of()[1]])
+    with torch.no_grad():
+        got = model(ids, output_attentions=True)
+        want = oracle(ids, output_attentions=True)
+        next_got = model(ids[:, -1:] + 1, past_key_values=got.past_key_values).logits
+        next_want = oracle(ids[:, -1:] + 1, past_key_values=want.past_key_values).logits
+    assert torch.equal(got.logits, want.logits)
+    assert torch.equal(next_got, next_want)
+    for got_layer, want_layer in zip(got.attentions, want.attentions):
+        assert torch.equal(got_layer, want_layer)
