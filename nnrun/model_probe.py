@@ -57,8 +57,14 @@ class _ProbeBackend(AttentionBackend):
         return q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
 
 
-def probe_attention_layers(model: torch.nn.Module, device: torch.device) -> list[AttentionLayerInfo]:
-    """Per-layer K/V shapes, scale, window and softcap, indexed by `module.layer_idx`."""
+def probe_attention_layers(
+    model: torch.nn.Module, device: torch.device, kv_free_layer_ids: frozenset[int] = frozenset()
+) -> list[AttentionLayerInfo]:
+    """Per-layer K/V shapes, scale, window and softcap, indexed by `module.layer_idx`.
+
+    Layers in `kv_free_layer_ids` (a hybrid's mixers, which the state pool serves, and its
+    feed-forward-only layers) call no attention by design.
+    """
     refuse_sparse_attention_indexers(model)
     probe = _ProbeBackend()
     pad_id = getattr(model.config, "pad_token_id", None)
@@ -68,7 +74,8 @@ def probe_attention_layers(model: torch.nn.Module, device: torch.device) -> list
     with forward_context(probe), torch.no_grad():
         model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=1)
     layer_ids = [call.layer_idx for call in probe.calls]
-    if sorted(layer_ids) != list(range(len(layer_ids))):
+    served = sorted(set(layer_ids) | kv_free_layer_ids)
+    if len(set(layer_ids)) != len(layer_ids) or served != list(range(len(served))):
         raise ValueError(f"the packed path pages one KV cache per attention call: {_layer_mismatch(layer_ids)}")
     for call in probe.calls:
         if call.num_q_heads % call.kv_shape.num_kv_heads:

@@ -29,6 +29,7 @@ from nnrun.request import Request
 from nnrun.runner_memory import KVPoolSetup
 from nnrun.sampler import Sampler, SamplerOutput, SamplingRow
 from nnrun.sampling_params import SamplingParams
+from nnrun.state import StatePool, serve_states, state_pool_for
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class ModelRunner(KVPoolSetup):
     """Runs the unmodified HF module tree over one flat packed batch per step."""
 
     attn_implementation: str = ATTN_IMPLEMENTATION  # the name the model's config keeps for its attention (load_model)
+
+    state_pool: StatePool | None = None  # per-request recurrent state of mixer layers (nnrun/state), if any
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -71,6 +74,8 @@ class ModelRunner(KVPoolSetup):
         # whose attention is their own code: nnrun/attention/classic routes them, not the interface).
         self.attn_implementation = self.model.config._attn_implementation
         adapt_positions(self.model)  # modules that number positions themselves take each request's own
+        # Mixer layers (state-space, linear attention) run per request on a state pool row beside each request's KV.
+        self.state_pool = state_pool_for(self.model, self.config.scheduler.max_num_seqs + 1, self.device)
         adapt_classic_attention(self.model)  # families whose attention is their own code (GPT-J, Bloom, ...)
         self.layers: list[AttentionLayerInfo] = []
         # Why the packed path cannot serve this model, known before any packed step runs (None: ask the probe).
@@ -93,6 +98,8 @@ class ModelRunner(KVPoolSetup):
         """
         with self.step_lock:
             self.exact_forward = choose_exact_forward(self, self.packed_unfit)
+        if self.exact_forward is not None:  # HF's own caches hold the states there
+            self.state_pool = None
         if self.exact_forward is not None and self.layers:  # the probe rejected it: no paged KV is needed
             self.layers = []
             self._build_kv_cache(self.allocator.num_pages)
@@ -125,8 +132,8 @@ class ModelRunner(KVPoolSetup):
         `capturer` stands in for CUDA's graph capture (the CPU tests pass a recording one).
         """
         self.graph_runner = None
-        if not self.config.device.enable_cuda_graphs or self.exact_forward is not None:
-            return
+        if not self.config.device.enable_cuda_graphs or self.exact_forward is not None or self.state_pool is not None:
+            return  # a replay would not run the mixers' per-request Python (nnrun/state)
         if capturer is None:
             if self.device.type != "cuda":
                 return
@@ -254,7 +261,12 @@ class ModelRunner(KVPoolSetup):
         probs_plan = AttentionProbsPlan.for_batch(forward_batch, self.device)  # None unless a request asked
         position_ids = forward_batch.positions.to(self.device)[None]  # [1, N]
         logits_indices = forward_batch.logits_indices.to(self.device)  # [R]
-        with forward_context(backend, probs_plan, position_ids), hf_masks_skipped(), self.grad_context(forward_batch):
+        with (
+            forward_context(backend, probs_plan, position_ids),
+            hf_masks_skipped(),
+            self.grad_context(forward_batch),
+            serve_states(self.state_pool, forward_batch),
+        ):
             output = self.model(
                 input_ids=forward_batch.input_ids.to(self.device)[None],
                 position_ids=position_ids,

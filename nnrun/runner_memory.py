@@ -14,6 +14,7 @@ import torch
 from nnrun.forward_batch import ForwardMode
 from nnrun.kv_sizing import GiB, kv_budget_bytes, profile_prompt_lengths
 from nnrun.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from nnrun.state.placeholders import kv_shapes
 
 logger = logging.getLogger("nnrun.model_runner")
 
@@ -25,7 +26,7 @@ class KVPoolSetup:
 
     def init_memory_pool(self) -> None:
         cache = self.config.cache
-        shapes = [layer.kv_shape for layer in self.layers]
+        shapes = kv_shapes(self.layers)
         if cache.num_pages is not None:
             num_pages = cache.num_pages
         elif cache.max_total_tokens is not None:
@@ -40,7 +41,7 @@ class KVPoolSetup:
 
     def _build_kv_cache(self, num_pages: int) -> None:
         page_size = self.config.cache.page_size
-        self.kv_pool = KVPool([layer.kv_shape for layer in self.layers], num_pages, page_size, self.dtype, self.device)
+        self.kv_pool = KVPool(kv_shapes(self.layers), num_pages, page_size, self.dtype, self.device)
         self.allocator = TokenToKVPoolAllocator(num_pages, page_size)
         self.max_total_tokens = num_pages * page_size
         self.req_to_token_pool = ReqToTokenPool(

@@ -1,8 +1,9 @@
 """The one piece of module-level state: what serves the forward that is running now.
 
 That is the attention backend, the step's attention-probabilities plan when some request of the
-step asked for them, and the step's per-request positions (the `[1, N]` position ids the model is
-given) for modules that number positions themselves (nnrun/position_adapters.py). A plain global,
+step asked for them, the step's per-request positions (the `[1, N]` position ids the model is
+given) for modules that number positions themselves (nnrun/position_adapters.py), and, for a
+model with mixer layers, the step's view of the state pool (nnrun/state). A plain global,
 not a ContextVar: nnsight's mediators are greenlets, which start with an empty contextvars context,
 and they may call modules during the forward.
 """
@@ -18,10 +19,12 @@ from nnrun.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
     from nnrun.attention.probabilities import AttentionProbsPlan
+    from nnrun.state.step import StateStep
 
 _current_backend: AttentionBackend | None = None
 _current_probs_plan: AttentionProbsPlan | None = None
 _current_position_ids: torch.Tensor | None = None
+_current_state_step: StateStep | None = None
 
 
 @contextmanager
@@ -49,3 +52,18 @@ def current_position_ids() -> torch.Tensor | None:
 def current_probs_plan() -> AttentionProbsPlan | None:
     """The requests of the running step that asked for attention probabilities; None if none did."""
     return _current_probs_plan
+
+
+@contextmanager
+def state_step_context(step: StateStep) -> Iterator[None]:
+    global _current_state_step
+    previous, _current_state_step = _current_state_step, step
+    try:
+        yield
+    finally:
+        _current_state_step = previous
+
+
+def current_state_step() -> StateStep | None:
+    """The running packed step's view of the state pool, or None outside one (mixers then run as HF's)."""
+    return _current_state_step

@@ -10,6 +10,8 @@ import torch
 from nnrun.exact.hf_forward import HFForward, attention_implementation, own_attention, set_attention
 from nnrun.exact.probe import ModelRefusedError, hf_references, packed_path_difference, probe_lengths, probe_prompts
 from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
+from nnrun.state.mixers import adapted_mixer_layer_ids
+from nnrun.state.placeholders import feed_forward_layer_ids, with_state_placeholders
 
 if TYPE_CHECKING:
     from nnrun.model_runner import ModelRunner
@@ -25,16 +27,23 @@ def family_of(model: torch.nn.Module) -> str:
 
 
 def packed_layers(model: torch.nn.Module, device: torch.device) -> tuple[list[AttentionLayerInfo], str | None]:
-    """The attention layers the packed path would serve, or the reason it cannot serve this model."""
+    """The attention layers the packed path would serve, or the reason it cannot serve this model.
+
+    Mixer layers the state pool serves (nnrun/state) need no attention: numbered between attention
+    layers, they get KV-less placeholders, as do a hybrid's feed-forward-only layers (Nemotron-H's);
+    a model of mixers only (Mamba) has no attention layers.
+    """
+    state_layer_ids = adapted_mixer_layer_ids(model)
+    kv_free_layer_ids = state_layer_ids | feed_forward_layer_ids(model) if state_layer_ids else frozenset()
     try:
-        layers = probe_attention_layers(model, device)
+        layers = probe_attention_layers(model, device, kv_free_layer_ids)
     except ValueError as error:  # the probe's own refusal names the reason
         return [], str(error)
     except Exception as error:  # any other failure of the packed forward sends the model to the exact path too
         return [], f"the packed forward fails ({type(error).__name__}: {error})"
-    if not layers:
+    if not layers and not state_layer_ids:
         return [], "no layer calls transformers' attention interface (its attention, if any, is the family's own code)"
-    return layers, None
+    return with_state_placeholders(layers), None
 
 
 def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFForward | None:

@@ -1,0 +1,85 @@
+"""Mixer layers (state-space, linear-attention, short-conv) run per request inside a packed forward.
+
+A pass over the built model, like `nnrun/position_adapters.py`: every module whose HF forward
+keeps a recurrent state in HF's cache (it calls `update_conv_state` / `update_recurrent_state`,
+as Mamba's, Mamba2's, Jamba's, Bamba's, Qwen3-Next's `GatedDeltaNet`, LFM2's short conv and the
+other 5.23 mixers do) gets an instance `forward` that, inside a packed step, splits the flat
+`[1, N, H]` input into each request's tokens and runs HF's own forward on each with that
+request's state from the pool (`StateStep.run_mixer`). Outside a step (a plain call, the
+load-time probes, the exact path) it is HF's forward unchanged. No hooks, and the module and its
+path stay HF's, so nnsight sees `...mixer` output `[1, N, H]` and slices each invoke's tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from dataclasses import dataclass
+
+import torch
+
+from nnrun.attention.context import current_state_step
+
+_ADAPTED = "_nnrun_state_mixer"  # MixerInfo on an adapted module: the pass runs once per model object
+CACHE_ARGUMENTS = ("cache_params", "past_key_values")  # the name a mixer's forward takes HF's cache by
+STATE_CALLS = ("update_conv_state", "update_recurrent_state")  # HF's cache API for recurrent state
+
+
+@dataclass(frozen=True)
+class MixerInfo:
+    """One mixer layer: its `layer_idx`, the argument its cache goes in, and how many states of each kind it keeps."""
+
+    layer_idx: int
+    cache_argument: str
+    num_states: int
+
+
+def mixer_info(module: torch.nn.Module, num_states: int) -> MixerInfo | None:
+    """The module's MixerInfo if its HF forward keeps a recurrent state in HF's cache, else None."""
+    layer_idx = getattr(module, "layer_idx", None)
+    forward = inspect.unwrap(type(module).forward)
+    code = getattr(forward, "__code__", None)
+    if not isinstance(layer_idx, int) or code is None or not set(STATE_CALLS) & set(code.co_names):
+        return None
+    parameters = inspect.signature(forward).parameters
+    cache_argument = next((name for name in CACHE_ARGUMENTS if name in parameters), None)
+    return None if cache_argument is None else MixerInfo(layer_idx, cache_argument, num_states)
+
+
+def adapt_mixers(model: torch.nn.Module) -> list[MixerInfo]:
+    """Adapt every mixer layer of `model` (idempotent); returns them by `layer_idx`."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    num_states = getattr(config, "number_of_conv_states", 1) or 1
+    mixers = []
+    for module in model.modules():
+        info = getattr(module, _ADAPTED, None) or mixer_info(module, num_states)
+        if info is None:
+            continue
+        if getattr(module, _ADAPTED, None) is None:
+            # A method bound to the module (not a closure over it): a deep copy of the model rebinds it to the copy.
+            module.forward = types.MethodType(_mixer_forward, module)
+            setattr(module, _ADAPTED, info)
+        mixers.append(info)
+    return sorted(mixers, key=lambda info: info.layer_idx)
+
+
+def _mixer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **kwargs):
+    """HF's own forward; inside a packed step, once per request (or per decode batch) with its state."""
+    hf_forward = type(self).forward
+    step = current_state_step()
+    if step is None:
+        return hf_forward(self, hidden_states, *args, **kwargs)
+    info: MixerInfo = getattr(self, _ADAPTED)
+    if args:
+        raise TypeError(f"{type(self).__name__} was called with positional arguments after hidden_states")
+    kwargs.pop(info.cache_argument, None)  # None in a packed step (use_cache=False); the state is the pool's
+
+    def call(hidden: torch.Tensor, cache, call_kwargs: dict) -> torch.Tensor:
+        return hf_forward(self, hidden, **{info.cache_argument: cache}, **call_kwargs)
+
+    return step.run_mixer(info.layer_idx, info.num_states, hidden_states, kwargs, call)
+
+
+def adapted_mixer_layer_ids(model: torch.nn.Module) -> frozenset[int]:
+    """The `layer_idx` of every mixer `adapt_mixers` adapted in `model` (none if it never ran)."""
+    return frozenset(info.layer_idx for module in model.modules() if (info := getattr(module, _ADAPTED, None)))

@@ -1,0 +1,51 @@
+"""The state pool's bookkeeping (CPU, milliseconds): rows, lazy tensors, the token count that guards resumption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nnrun.state.pool import StatePool
+from nnrun.state.step import Segment, StateStep
+
+CPU = torch.device("cpu")
+
+
+def test_a_state_is_read_back_per_row_and_absent_until_written():
+    pool = StatePool(num_rows=3, device=CPU, mixer_layer_ids=[0])
+    key = (0, "conv", 0)
+    assert pool.read(key, torch.tensor([0])) is None
+    pool.write(key, torch.tensor([2, 0]), torch.tensor([[[1.0, 2.0]], [[3.0, 4.0]]]))  # [2, 1, 2]
+    assert pool.tensors[key].shape == (3, 1, 2)  # one row per request-table row, HF's shape after
+    assert torch.equal(pool.read(key, torch.tensor([0, 2])), torch.tensor([[[3.0, 4.0]], [[1.0, 2.0]]]))
+    assert torch.equal(pool.read(key, torch.tensor([1])), torch.zeros(1, 1, 2))
+
+
+def test_the_pool_keeps_values_never_autograd_history():
+    pool = StatePool(num_rows=2, device=CPU, mixer_layer_ids=[0])
+    value = torch.ones(1, 4, requires_grad=True) * 2
+    pool.write((0, "recurrent", 0), torch.tensor([1]), value)
+    assert not pool.tensors[(0, "recurrent", 0)].requires_grad
+
+
+def test_a_row_resumes_only_from_the_token_count_it_holds():
+    pool = StatePool(num_rows=2, device=CPU, mixer_layer_ids=[0])
+    pool.num_tokens[1] = 7
+    pool.check_holds(1, 7, "a")
+    with pytest.raises(RuntimeError, match="holds 7"):
+        pool.check_holds(1, 6, "a")
+    pool.invalidate(1)
+    with pytest.raises(RuntimeError, match="holds -1"):
+        pool.check_holds(1, 7, "a")
+
+
+def test_commit_counts_tokens_only_for_rows_every_mixer_layer_reached():
+    pool = StatePool(num_rows=3, device=CPU, mixer_layer_ids=[0, 2])
+    step = StateStep(pool, [Segment(row=0, start=0, num_new=4, prefix=0), Segment(1, 4, 1, 5)], num_mixer_layers=2)
+    pool.num_tokens[1] = 5
+    for layer_idx in (0, 2):
+        step._hold(layer_idx, torch.tensor([0]), [((layer_idx, "conv", 0), torch.ones(1, 2))])
+    step._hold(0, torch.tensor([1]), [((0, "conv", 0), torch.full((1, 2), 3.0))])  # layer 2 never ran on row 1
+    step.commit()
+    assert pool.num_tokens[:2] == [4, -1]  # row 1's state is half a step ahead: unusable, never resumed from
+    assert torch.equal(pool.tensors[(2, "conv", 0)][0], torch.ones(2))
