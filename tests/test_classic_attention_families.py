@@ -1,6 +1,6 @@
 """Classic families whose attention is their own code (nnrun/attention/classic), on the packed path.
 
-GPT-J, GPT-Neo, CodeGen, GPT-NeoX-Japanese, Bloom, Falcon and MPT, built tiny (fp32, random
+GPT-J, GPT-Neo, CodeGen, GPT-NeoX-Japanese, Bloom, Falcon, MPT and OpenAI GPT, built tiny (fp32, random
 weights). The oracle is plain HF, one prompt at a time: packed prefill logits of three prompts of
 different lengths, then greedy decode steps (tokens and logprobs); ALiBi on the torch backend and
 on the FlashInfer backend (its torch emulator on CPU); an nnsight read of an attention submodule;
@@ -56,6 +56,7 @@ VARIANTS: dict[str, tuple[str, Callable[[PretrainedConfig], None] | None]] = {
     "falcon_alibi": ("falcon", _set(alibi=True, multi_query=False, num_kv_heads=4)),
     "mpt": ("mpt", None),
     "mpt_six_heads_clipped": ("mpt", _mpt_six_heads_clipped),
+    "openai_gpt": ("openai-gpt", None),  # no layer index of its own: numbered in model order
 }
 ALIBI_VARIANTS = ["bloom", "bloom_six_heads", "falcon_alibi", "mpt", "mpt_six_heads_clipped"]
 
@@ -120,6 +121,7 @@ def test_without_its_alibi_bloom_would_differ_from_hf():
         ("bloom", lambda model: model.transformer.h[1].self_attention.dense),
         ("falcon_alibi", lambda model: model.transformer.h[0].self_attention.query_key_value),
         ("mpt", lambda model: model.transformer.blocks[1].attn.out_proj),
+        ("openai_gpt", lambda model: model.transformer.h[1].attn.c_attn),
     ],
 )
 def test_nnsight_reads_of_attention_submodules_match_hf_hooks(variant, submodule):
@@ -149,7 +151,7 @@ def test_nnsight_reads_of_attention_submodules_match_hf_hooks(variant, submodule
         assert_close_packed(got, want, msg=f"{variant}: a {len(prompt)}-token prompt")
 
 
-@pytest.mark.parametrize("variant", ["bloom", "mpt_six_heads_clipped", "gpt_neo_local_window"])
+@pytest.mark.parametrize("variant", ["bloom", "mpt_six_heads_clipped", "gpt_neo_local_window", "openai_gpt"])
 def test_attention_probabilities_match_hf_eager(variant):
     """Requests that ask get HF eager's probabilities (ALiBi and the local window applied), per request."""
     model = build(variant)
@@ -186,7 +188,7 @@ def test_attention_probabilities_match_hf_eager(variant):
             assert_close_packed(seen[layer].for_row(row), want, msg=f"{variant} layer {layer}, prompt {row}")
 
 
-@pytest.mark.parametrize("variant", ["gptj", "gpt_neo_local_window", "bloom", "falcon_alibi", "mpt"])
+@pytest.mark.parametrize("variant", ["gptj", "gpt_neo_local_window", "bloom", "falcon_alibi", "mpt", "openai_gpt"])
 def test_adapted_models_called_plainly_are_hf_exactly(variant):
     """Outside an engine step an adapted module is HF's own: same logits, cache and attention weights."""
     model = build(variant)
@@ -196,9 +198,10 @@ def test_adapted_models_called_plainly_are_hf_exactly(variant):
     with torch.no_grad():
         got = model(ids, output_attentions=True)
         want = oracle(ids, output_attentions=True)
-        next_got = model(ids[:, -1:] + 1, past_key_values=got.past_key_values).logits
-        next_want = oracle(ids[:, -1:] + 1, past_key_values=want.past_key_values).logits
+        if getattr(want, "past_key_values", None) is not None:  # OpenAI GPT keeps no cache
+            next_got = model(ids[:, -1:] + 1, past_key_values=got.past_key_values).logits
+            next_want = oracle(ids[:, -1:] + 1, past_key_values=want.past_key_values).logits
+            assert torch.equal(next_got, next_want)
     assert torch.equal(got.logits, want.logits)
-    assert torch.equal(next_got, next_want)
     for got_layer, want_layer in zip(got.attentions, want.attentions):
         assert torch.equal(got_layer, want_layer)

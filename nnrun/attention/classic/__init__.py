@@ -1,6 +1,6 @@
 """Classic families whose attention is their own code, routed through the engine's paged attention.
 
-GPT-J, GPT-Neo, CodeGen, GPT-NeoX-Japanese, Bloom, Falcon and MPT never call transformers'
+GPT-J, GPT-Neo, CodeGen, GPT-NeoX-Japanese, Bloom, Falcon, MPT and OpenAI GPT never call transformers'
 attention interface: their modules compute scores, mask, softmax and the weighted sum themselves.
 A pass over the built model (`adapt_classic_attention`) replaces, on each such module instance,
 only that core: inside an engine step it goes through `paged_attention_forward` (the backend, the

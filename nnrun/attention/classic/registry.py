@@ -21,6 +21,7 @@ ADAPTERS: dict[str, Callable[[torch.nn.Module], None]] = {
     f"{_MODELS}.bloom.modeling_bloom.BloomAttention": bloom.adapt,
     f"{_MODELS}.falcon.modeling_falcon.FalconAttention": falcon.adapt,
     f"{_MODELS}.mpt.modeling_mpt.MptAttention": mpt.adapt,
+    f"{_MODELS}.openai.modeling_openai.Attention": attn_method.install(attn_method.OPENAI_GPT),
 }
 _ADAPTED = "_nnrun_classic_attention"  # set on an adapted module: the pass runs once per module
 
@@ -35,5 +36,7 @@ def adapt_classic_attention(model: torch.nn.Module) -> list[str]:
         if not module.__dict__.get(_ADAPTED, False):
             adapter(module)
             module.__dict__[_ADAPTED] = True
+            if getattr(module, "layer_idx", None) is None:  # HF numbers no layers (OpenAI GPT): in model order
+                module.layer_idx = len(adapted)
         adapted.append(path)
     return adapted
