@@ -58,6 +58,9 @@ class TraceJob:
     make_result: Callable[[list[Request]], Any] | None = None
     streamer: Any = None  # a generation's own HF streamer: the client's thread feeds it (engine never calls it)
     shipped: bytes | None = None  # serialized for tensor-parallel ranks (interleaver/tp_ship.py), else None
+    # Inside a session every name the blocks bind goes back to the caller (nnsight pushes them all there);
+    # ranks then send every name back, not only the saved ones.
+    pushes_every_name: bool = False
 
     def __post_init__(self) -> None:
         for invocation in self.invocations:

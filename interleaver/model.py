@@ -37,13 +37,14 @@ from interleaver.keywords import (
     refuse_backends,
 )
 from interleaver.mediator import PackedInterleaver, ServedValues
+from interleaver.nnsight_private import tracing_thread_state
 from interleaver.run_job import run_trace_job
 from interleaver.runner import NNsightGPUModelRunner
 from interleaver.scan import ScanTracer
 from interleaver.sources import client_source
 from interleaver.streaming import StreamerFeed, generate_streamed
 from interleaver.tp_front import TensorParallelNNsightRunner
-from interleaver.tp_ship import ship_job, tag_envoys
+from interleaver.tp_ship import refuse_on_ranks, ship_job, tag_envoys
 from interleaver.tracer import NNrunTracer, PendingInvoke
 from nnrun.engine import LLM
 from nnrun.prompts import split_model_input, tokenize_prompt
@@ -296,6 +297,8 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
             feed = StreamerFeed(job.streamer, [r.prompt_token_ids for r in job.requests.values()], job.pad_token_id)
             feed.begin()
         if getattr(self.engine.runner, "ships_jobs", False):  # serialized here, where its saves are known
+            refuse_on_ranks(job)
+            job.pushes_every_name = getattr(tracing_thread_state, "depth", 0) > 1  # inside a session
             job.shipped = ship_job(job)
         run_trace_job(self.engine, job, feed=feed)
 

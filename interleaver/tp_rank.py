@@ -12,19 +12,21 @@ requests whose blocks failed, and, when requests finish, what their blocks saved
 from __future__ import annotations
 
 import pickle
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nnsight.modeling.tp import TPFragments
 from nnsight.modeling.tp.envoys import tp_envoys
 
 import nnrun.tp.wire as wire
 from interleaver.generator import add_generator
 from interleaver.runner import NNsightGPUModelRunner
+from interleaver.tp_fragments import RankFragments
 from interleaver.tp_ship import RankEnvoys, portable_error, receive_jobs, ship_results
+from nnrun.attention import ATTN_IMPLEMENTATION
 from nnrun.request import Request, RequestStatus
 from nnrun.sampler import SamplerOutput
 from nnrun.tp.worker import ShardRunner
@@ -60,14 +62,42 @@ class NNsightShardRunner(NNsightGPUModelRunner, ShardRunner):
 
     def value_fragments(self) -> Any:
         _offer_plan_matcher_where_nnsight_looks()
-        return TPFragments()
+        return RankFragments()
 
     def envoy_classes(self) -> Any:
         return tp_envoys()
 
+    def tp_plan_overrides(self) -> dict[str, str]:
+        """The input embedding whole on every rank.
+
+        transformers 5.23 shards it over the vocabulary by default; its value at the handoff is then a
+        masked partial sum whose mask DTensor has already released, which nnsight cannot make whole
+        (an AssertionError in torch's reduction). Kept whole, `embed_tokens.output` is HF's tensor on
+        every rank, at the cost of one embedding table per rank.
+        """
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        model_config = self.config.model
+        config = AutoConfig.from_pretrained(
+            model_config.model, revision=model_config.revision, trust_remote_code=model_config.trust_remote_code
+        )
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(
+                config, dtype=self.config.device.torch_dtype, trust_remote_code=model_config.trust_remote_code
+            )
+        skeleton.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.skeleton = skeleton.eval()  # the whole model, no weights: what each module's values look like unsplit
+        embedding = skeleton.get_input_embeddings()
+        name = next(name for name, module in skeleton.named_modules() if module is embedding)
+        return {name: "replicated_with_grad_allreduce"}
+
     def load_model(self) -> None:
         super().load_model()
         add_generator(self.nnsight_model)  # blocks reach `model.generator` on the rank's tree
+        fragments = self.interleaver.fragments
+        fragments.interleaver = self.interleaver
+        fragments.learn_split_values(self.model, self.skeleton)
+        del self.skeleton
         self.rank_envoys = RankEnvoys(self.nnsight_model)
         self.mirrors: dict[str, Request] = {}  # request id -> this rank's copy of a traced request
 
@@ -98,7 +128,8 @@ class NNsightShardRunner(NNsightGPUModelRunner, ShardRunner):
             sampler_output = self.sample(logits_output, forward_batch)
         except Exception as error:  # every rank fails alike: each ran the same blocks on the same values
             blamed = [req.request_id for req in self.requests_to_blame(forward_batch.reqs)]
-            return pickle.dumps(StepAnswer(step_error=f"{type(error).__name__}: {error}", blamed=blamed))
+            where = traceback.format_exc(limit=-3)  # the rank's innermost frames: where the forward failed
+            return pickle.dumps(StepAnswer(step_error=f"{type(error).__name__}: {error}\n{where}", blamed=blamed))
         answer = StepAnswer(_on_cpu(sampler_output))
         for req in forward_batch.reqs:
             if req.generator is not None:

@@ -51,8 +51,19 @@ class ShippedJob:
     kind: str
     needs_grad: bool
     pad_token_id: int
+    pushes_every_name: bool
     invocations: list[tuple[Any, list[str], int, bool]]  # (mediator, request ids, index, is_edit)
     requests: list[tuple[str, list[int], SamplingParams, dict]]  # (id, prompt ids, params, extra args)
+
+
+def refuse_on_ranks(job: TraceJob) -> None:
+    """What tensor-parallel ranks do not serve yet, refused by name before anything is sent."""
+    if job.needs_grad:
+        raise NotImplementedError(
+            "gradients (.grad, .backward(), retain_grad()) are not served on tensor-parallel ranks yet: a backward "
+            "through the ranks' gathered values does not reach the same collectives on every rank. Run this trace "
+            "with tensor_parallel_size=1"
+        )
 
 
 def ship_job(job: TraceJob) -> bytes:
@@ -66,7 +77,7 @@ def _shipped(job: TraceJob) -> ShippedJob:
         (rid, list(req.prompt_token_ids), req.sampling_params, _plain_args(req.extra_args))
         for rid, req in job.requests.items()
     ]
-    return ShippedJob(job.seq, job.kind, job.needs_grad, job.pad_token_id, invocations, requests)
+    return ShippedJob(job.seq, job.kind, job.needs_grad, job.pad_token_id, job.pushes_every_name, invocations, requests)
 
 
 def _plain_args(extra_args: dict) -> dict:
@@ -82,6 +93,12 @@ def receive_jobs(payloads: list[bytes], envoys: RankEnvoys, device: torch.device
             Invocation(mediator, request_ids, index, is_edit=is_edit)
             for mediator, request_ids, index, is_edit in shipped.invocations
         ]
+        # The invokes of one trace see each other's binds (a name one binds, a later one reads), as
+        # blocks written in one frame do: nnsight's serialization ships each alone, so they share again here.
+        shared: dict = {}
+        for invocation in invocations:
+            if not invocation.is_edit:
+                invocation.mediator.lcls.shared = shared
         job = TraceJob(
             shipped.kind,
             invocations,
@@ -89,6 +106,7 @@ def receive_jobs(payloads: list[bytes], envoys: RankEnvoys, device: torch.device
             pad_token_id=shipped.pad_token_id,
             seq=shipped.seq,
             ids_device=device,
+            pushes_every_name=shipped.pushes_every_name,
         )
         for rid, prompt, params, extra_args in shipped.requests:
             job.requests[rid] = Request(rid, prompt, params, extra_args={"nnsight": job, **extra_args})
@@ -110,8 +128,8 @@ def ship_results(invocations: list[Invocation]) -> bytes:
     results = []
     for invocation in invocations:
         job = invocation.job
-        saves = dict(invocation.saves)
         lcls = invocation.mediator.lcls
+        saves = dict(lcls.writes() if job.pushes_every_name else invocation.saves)
         for name in invocation.mediator.presaved:  # saved above the block: its value as the block left it
             if name in lcls and name not in saves:
                 saves[name] = lcls[name]

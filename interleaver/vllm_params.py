@@ -112,9 +112,9 @@ def _is_default(value: Any, default: Any) -> bool:
 # ---- engine keywords --------------------------------------------------------------------------
 # vLLM engine keywords that nnrun's engine takes under another name.
 ENGINE_RENAMED = {"block_size": "page_size"}
-# vLLM engine keywords nnrun takes only at the value that asks for one GPU, one process, no extras.
+# vLLM engine keywords nnrun takes only at the value that asks for one GPU, one process, no extras
+# (`tensor_parallel_size` passes through: nnrun runs traces on tensor-parallel ranks too).
 ENGINE_DEFAULT_ONLY: dict[str, tuple[tuple, str]] = {
-    "tensor_parallel_size": ((1,), "tensor parallelism"),
     "pipeline_parallel_size": ((1,), "pipeline parallelism"),
     "data_parallel_size": ((1,), "data parallelism"),
     "distributed_executor_backend": ((None, "uni", "mp"), "a distributed executor (ray, external_launcher)"),

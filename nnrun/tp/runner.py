@@ -208,8 +208,8 @@ def tensor_parallel_runner_class(runner_cls: type[ModelRunner]) -> type[ModelRun
         return runner_cls
     if runner_cls is not ModelRunner:
         raise NotImplementedError(
-            f"tensor_parallel_size > 1 is served for nnrun.LLM (generation) only so far; {runner_cls.__name__} "
-            "(nnsight interventions through nnrun.LanguageModel / nnrun.VLLM, or nnrun serve) is not served on "
-            "tensor-parallel ranks yet. Use tensor_parallel_size=1 for traces"
+            f"{runner_cls.__name__} is not served on tensor-parallel ranks: a runner needs a tensor-parallel "
+            "front end (a TensorParallelRunner subclass) to run there. For nnsight traces use "
+            "nnrun.LanguageModel(..., tensor_parallel_size=N) or nnrun.VLLM(..., tensor_parallel_size=N)"
         )
     return TensorParallelRunner

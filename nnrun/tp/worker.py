@@ -75,9 +75,15 @@ class ShardRunner(ModelRunner):
             dtype=self.config.device.torch_dtype,
             revision=model_config.revision,
             trust_remote_code=model_config.trust_remote_code,
-            distributed_config=DistributedConfig(tp_plan="auto", tp_size=dist.get_world_size()),
+            distributed_config=DistributedConfig(
+                tp_plan=self.tp_plan_overrides() or "auto", tp_size=dist.get_world_size()
+            ),
         )
         super().load_model()  # every rank runs the same load-time probes in step: their collectives pair up
+
+    def tp_plan_overrides(self) -> dict[str, str] | None:
+        """Entries that replace the model's own TP plan for these ranks (None: the plan as published)."""
+        return None
 
     def _build_kv_cache(self, num_pages: int) -> None:
         """Every rank holds the same pages (the front end's allocator hands out one set): the smallest budget wins."""

@@ -50,11 +50,7 @@ def test_sources_without_a_checkpoint_are_refused():
         LLM("tiny-facts", tensor_parallel_size=2, load_format="dummy")
 
 
-def test_interventions_are_refused_by_name():
-    with pytest.raises(NotImplementedError, match=r"LanguageModel\(tensor_parallel_size=2\): nnsight traces"):
-        nnrun.LanguageModel("tiny-facts", tensor_parallel_size=2)
-    with pytest.raises(NotImplementedError, match="VLLM.*tensor parallelism"):
-        nnrun.VLLM("tiny-facts", tensor_parallel_size=2)
+def test_a_runner_without_a_tensor_parallel_front_end_is_refused_by_name():
     with pytest.raises(NotImplementedError, match="NNsightGPUModelRunner .*not served on tensor-parallel ranks"):
         from interleaver.runner import NNsightGPUModelRunner
 
