@@ -233,3 +233,27 @@ def test_a_write_to_one_invokes_mixer_output_touches_only_that_request(mamba_lm)
             long_logits = lm.output.logits.save()
     assert_close_packed(short_logits[0], hf_mixer_alone(oracle, SHORT, zero_output=True)["logits"], rel=MIXER_REL)
     assert_close_packed(long_logits[0], hf_mixer_alone(oracle, LONG)["logits"], rel=MIXER_REL)
+
+
+def test_a_read_inside_a_mixer_is_refused_never_served_another_requests_values(mamba_lm):
+    """The mixer's own modules run once per request, not on the step's `[1, N, ...]`: nobody is served them."""
+    lm, _ = mamba_lm
+    with pytest.raises(Exception, match="in_proj"):
+        with lm.trace() as tracer:
+            with tracer.invoke(list(SHORT)):
+                lm.backbone.layers[0].mixer.in_proj.output.save()
+            with tracer.invoke(list(LONG)):
+                lm.backbone.layers[0].mixer.in_proj.output.save()
+
+
+def test_a_torch_hook_inside_a_mixer_is_refused_by_name():
+    model = tiny_model("mamba")
+    with nnrun.LLM(model, max_num_seqs=4, max_model_len=64) as llm:
+        handle = model.backbone.layers[0].mixer.in_proj.register_forward_hook(lambda *args: None)
+        try:
+            with pytest.raises(RuntimeError, match="once per request"):
+                llm.runner.run_prefill_only([list(SHORT), list(LONG)])
+        finally:
+            handle.remove()
+        llm.runner.run_prefill_only([list(SHORT), list(LONG)])  # without it, the same forward runs
+        assert_all_rows_free(llm)
