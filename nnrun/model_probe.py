@@ -23,7 +23,12 @@ class AttentionLayerInfo:
     softcap: float | None
     has_sinks: bool = False  # a per-head sink logit joins the softmax (gpt-oss, Granite SWA)
     chunk_size: int | None = None  # chunked attention (Llama 4): a query sees only keys of its own chunk
-    has_alibi: bool = False  # per-head ALiBi slopes bias each score by key distance (Bloom, MPT, Falcon)
+    # ALiBi (Bloom, MPT, Falcon): per query head, `slope * (key_pos - query_pos)` joins each scaled score
+    alibi_slopes: tuple[float, ...] | None = None
+
+    @property
+    def has_alibi(self) -> bool:
+        return self.alibi_slopes is not None
 
 
 class _ProbeBackend(AttentionBackend):
@@ -51,7 +56,7 @@ class _ProbeBackend(AttentionBackend):
                 softcap,
                 sinks is not None,
                 chunk_size,
-                alibi_slopes is not None,
+                None if alibi_slopes is None else tuple(alibi_slopes.float().tolist()),
             )
         )
         return q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))

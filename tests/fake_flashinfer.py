@@ -103,6 +103,7 @@ class _Plan:
     q_data_type: torch.dtype
     kv_data_type: torch.dtype
     o_data_type: torch.dtype
+    alibi_slopes: Optional[torch.Tensor] = None  # [Hq] float32, in pos_encoding_mode="ALIBI"
 
 
 def _make_plan(
@@ -137,8 +138,10 @@ def _make_plan(
         raise ValueError(f"every request needs >= 1 page and last_page_len in 1..{page_size}: {last.tolist()}")
     if num_qo_heads % num_kv_heads:
         raise ValueError(f"num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if pos_encoding_mode != "NONE":
-        raise NotImplementedError(f"the emulator implements pos_encoding_mode='NONE' only, got {pos_encoding_mode!r}")
+    if pos_encoding_mode not in ("NONE", "ALIBI"):
+        raise NotImplementedError(
+            f"the emulator implements pos_encoding_mode NONE and ALIBI, got {pos_encoding_mode!r}"
+        )
     q_dtype = _canonical_dtype(q_data_type)
     kv_dtype = _canonical_dtype(kv_data_type) or q_dtype
     return _Plan(
@@ -158,13 +161,27 @@ def _make_plan(
         q_dtype,
         kv_dtype,
         _canonical_dtype(o_data_type) or q_dtype,
+        _alibi_slopes(num_qo_heads) if pos_encoding_mode == "ALIBI" else None,
     )
+
+
+def _alibi_slopes(num_heads: int) -> torch.Tensor:
+    """FlashInfer's built-in ALiBi slopes (`flashinfer.utils.get_alibi_slopes`): the caller cannot give its own."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = torch.pow(2.0 ** (-8.0 / closest), torch.arange(1, 1 + closest))
+    if closest < num_heads:
+        extra = torch.pow(2.0 ** (-4.0 / closest), torch.arange(1, 1 + 2 * (num_heads - closest), 2))
+        slopes = torch.cat([slopes, extra])
+    return slopes.float()  # [Hq]
 
 
 def _attend(
     plan: _Plan, q: torch.Tensor, paged_kv_cache: KVCache, kv_layout: str, window_left: Optional[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The documented semantics, one request at a time in float32.
+
+    ALIBI mode adds `slope_h * (kv_idx - q_idx)` to the scaled logits, before the softcap (the
+    default variant's `logits * sm_scale + alibi`).
 
     Returns the output and the log-sum-exp of each row's (scaled, capped, masked) logits, `[N, Hq]`
     float32 in base 2 (FlashInfer's default `lse`: `log2(sum_j exp(logit_j))`).
@@ -201,10 +218,12 @@ def _attend(
         keys = k_cache[pages].flatten(0, 1)[:kv_len].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
         values = v_cache[pages].flatten(0, 1)[:kv_len].float().repeat_interleave(group, dim=1)  # [L, Hq, Dv]
         scores = torch.einsum("nhd,lhd->hnl", q[q_start:q_end].float(), keys) * plan.sm_scale  # [Hq, n, L]
-        if plan.logits_soft_cap > 0:
-            scores = plan.logits_soft_cap * torch.tanh(scores / plan.logits_soft_cap)
         q_pos = torch.arange(kv_len - (q_end - q_start), kv_len, device=q.device)[:, None]  # bottom-right aligned
         kv_pos = torch.arange(kv_len, device=q.device)[None, :]
+        if plan.alibi_slopes is not None:
+            scores = scores + plan.alibi_slopes.to(q.device)[:, None, None] * (kv_pos - q_pos)  # [Hq, n, L]
+        if plan.logits_soft_cap > 0:
+            scores = plan.logits_soft_cap * torch.tanh(scores / plan.logits_soft_cap)
         allowed = torch.ones((q_end - q_start, kv_len), dtype=torch.bool, device=q.device)
         if plan.causal:
             allowed &= kv_pos <= q_pos

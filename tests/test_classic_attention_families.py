@@ -23,6 +23,7 @@ from fake_flashinfer import make_fake_flashinfer
 from families.tiny import tiny_config
 from nnrun.attention.classic import adapt_classic_attention
 from nnrun.attention.flashinfer_backend import FlashInferAttnBackend
+from nnrun.attention.flashinfer_plan import flashinfer_alibi_slopes, flashinfer_unplanned_features
 from nnrun.forward_batch import OUTPUT_ATTENTIONS_ARG
 from test_packed_families import assert_packed_matches_hf, prompts_of
 from tolerance import PACKED_REL, assert_close_packed
@@ -89,10 +90,35 @@ def _use_flashinfer(llm: nnrun.LLM) -> None:
     runner.attn_backend = FlashInferAttnBackend(runner.kv_pool, runner.device, runner.layers, workspace_bytes=1 << 16)
 
 
-@pytest.mark.parametrize("variant", ["bloom", "falcon_alibi", "mpt_six_heads_clipped"])
+@pytest.mark.parametrize("variant", ["bloom", "bloom_six_heads", "mpt", "mpt_six_heads_clipped"])
 def test_alibi_on_the_flashinfer_backend_matches_hf(monkeypatch, variant):
-    monkeypatch.setitem(sys.modules, "flashinfer", make_fake_flashinfer())
+    """Slopes that are FlashInfer's built-in ones run in its ALIBI mode: prefill and decode (the emulator on CPU)."""
+    fake = make_fake_flashinfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
     assert_packed_matches_hf(build(variant), swap_backend=_use_flashinfer)
+    plans = [call for call in fake.calls if call.kind == "plan"]
+    assert plans and all(call.kwargs["pos_encoding_mode"] == "ALIBI" for call in plans)
+
+
+def test_alibi_slopes_flashinfer_cannot_take_keep_the_torch_backend(monkeypatch):
+    """Falcon's slopes (divided by sqrt(head_dim)) are not FlashInfer's built-in ones: its backend refuses them by name."""
+    monkeypatch.setitem(sys.modules, "flashinfer", make_fake_flashinfer())
+    with nnrun.LLM(build("falcon_alibi"), page_size=4) as llm:
+        runner = llm.runner
+        assert flashinfer_unplanned_features(runner.layers, runner.kv_pool.page_size) is not None
+        with pytest.raises(ValueError, match="ALiBi slopes other than FlashInfer's built-in ones"):
+            FlashInferAttnBackend(runner.kv_pool, runner.device, runner.layers, workspace_bytes=1 << 16)
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 3, 4, 6, 8, 12, 16, 20, 32, 112])
+def test_flashinfer_builtin_slopes_are_blooms_and_mpts(num_heads):
+    from transformers.models.bloom import modeling_bloom
+    from transformers.models.mpt import modeling_mpt
+
+    bloom = modeling_bloom.build_alibi_tensor(torch.ones((1, 2)), num_heads, torch.float32)[:, 0, 1]  # slope * 1
+    mpt = -modeling_mpt.build_mpt_alibi_tensor(num_heads, 2)[:, 0, 0]  # slope * -1
+    assert flashinfer_alibi_slopes(num_heads) == pytest.approx(bloom.tolist(), rel=1e-6)
+    assert flashinfer_alibi_slopes(num_heads) == pytest.approx(mpt.tolist(), rel=1e-6)
 
 
 @pytest.mark.parametrize("variant", ["bloom", "falcon_alibi", "mpt"])

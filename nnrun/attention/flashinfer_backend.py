@@ -22,7 +22,6 @@ from nnrun.attention.flashinfer_plan import (
     pad_decode_plan,
     plan_forward_batch,
 )
-from nnrun.attention.torch_backend import TorchAttnBackend
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.memory import KVPool
 from nnrun.model_probe import AttentionLayerInfo
@@ -47,9 +46,8 @@ class FlashInferAttnBackend(AttentionBackend):
     wrappers share one float workspace. `init_forward_metadata` plans the step's wrapper of every
     group once; `forward` writes the layer's new K/V into the pool and runs its group's wrapper.
 
-    ALiBi layers (Bloom, MPT, Falcon) attend through the torch backend over the same pool:
-    FlashInfer's ALIBI mode uses only its own built-in slopes, which are not MPT's for a head count
-    that is not a power of two, nor Falcon's (its slopes are divided by sqrt(head_dim)).
+    ALiBi layers are planned in FlashInfer's ALIBI mode, which adds its own built-in slopes; the
+    backend serves only layers whose slopes are those (`flashinfer_unplanned_features`).
     """
 
     name = "flashinfer"
@@ -77,7 +75,6 @@ class FlashInferAttnBackend(AttentionBackend):
             raise ValueError(f"the flashinfer attention backend cannot serve this model: {unplanned}")
         self.sink_layers = {layer.layer_idx for layer in layers if layer.has_sinks}
         self.alibi_layers = {layer.layer_idx for layer in layers if layer.has_alibi}
-        self.alibi_attention = TorchAttnBackend(kv_pool, device) if self.alibi_layers else None
         self.groups: list[PlanGroup] = group_layers(layers)
         self.layer_to_group = layer_to_group_index(self.groups, len(layers))
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)  # [bytes]
@@ -98,8 +95,6 @@ class FlashInferAttnBackend(AttentionBackend):
         self.metadata: _StepMetadata | None = None
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        if self.alibi_attention is not None:
-            self.alibi_attention.init_forward_metadata(forward_batch)
         # One set of page tables per chunk size among the groups (None: whole-prefix attention).
         plans = {
             chunk_size: plan_forward_batch(forward_batch, self.kv_pool.page_size, chunk_size)
@@ -158,7 +153,7 @@ class FlashInferAttnBackend(AttentionBackend):
     def _kernel_settings(self, group: PlanGroup) -> dict:
         """The group's kernel variant, the same for both wrapper kinds."""
         return dict(
-            pos_encoding_mode="NONE",  # HF has applied RoPE already
+            pos_encoding_mode=group.pos_encoding_mode,  # NONE: HF has applied RoPE already; or ALIBI
             window_left=group.window_left,
             logits_soft_cap=group.logits_soft_cap,
             q_data_type=self.dtype,
@@ -169,11 +164,8 @@ class FlashInferAttnBackend(AttentionBackend):
     # ---- CUDA graphs ------------------------------------------------------------------------
     @property
     def supports_cuda_graphs(self) -> bool:
-        # Graph wrappers share one set of page-table buffers, which chunked groups cannot share;
-        # ALiBi layers attend through the torch backend, whose decode plan is not built for graphs.
-        return not self.alibi_layers and all(
-            group.has_decode_kernel and group.chunk_size is None for group in self.groups
-        )
+        # Graph wrappers share one set of page-table buffers, which chunked groups cannot share.
+        return all(group.has_decode_kernel and group.chunk_size is None for group in self.groups)
 
     def init_cuda_graph_state(self, batch_sizes: Sequence[int]) -> None:
         """One graph-mode decode wrapper per (batch size, group), all reading one set of page tables.
@@ -233,10 +225,6 @@ class FlashInferAttnBackend(AttentionBackend):
             raise RuntimeError(
                 f"layer {layer_idx} attends {'with' if alibi_slopes is not None else 'without'} ALiBi "
                 "slopes, unlike at the load-time probe"
-            )
-        if alibi_slopes is not None:
-            return self.alibi_attention.forward(
-                layer_idx, q, k, v, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes
             )
         meta = self.metadata
         self.kv_pool.write(layer_idx, meta.out_cache_loc, k, v)

@@ -22,6 +22,7 @@ multiple of `page_size`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -48,6 +49,7 @@ class PlanGroup:
     logits_soft_cap: float | None  # cap * tanh(x / cap); None: no cap
     sm_scale: float
     chunk_size: int | None = None  # chunked attention: planned from the step's per-chunk page tables
+    pos_encoding_mode: str = "NONE"  # "ALIBI": the kernel adds its built-in slopes times the key distance
 
     @property
     def has_decode_kernel(self) -> bool:
@@ -77,6 +79,7 @@ def group_layers(layers: Sequence[AttentionLayerInfo]) -> list[PlanGroup]:
             layer.softcap,
             float(layer.scaling),
             layer.chunk_size,
+            "ALIBI" if layer.has_alibi else "NONE",
         )
         members.setdefault(key, []).append(layer.layer_idx)
     return [PlanGroup(tuple(ids), *key) for key, ids in members.items()]
@@ -229,7 +232,19 @@ def flashinfer_unplanned_features(layers: list, page_size: int | None) -> str | 
     Attention sinks are applied from the kernel's log-sum-exp, which is that of the capped logits
     when a softcap is set: no family has both, and nnrun does not plan them together. Chunked
     attention is planned as one request per chunk, which needs chunks made of whole KV pages.
+    FlashInfer's ALIBI mode takes no slopes from the caller: only layers whose slopes are its
+    built-in ones (Bloom's and MPT's are; Falcon's are not) can use it.
     """
+    other_slopes = [
+        layer.layer_idx
+        for layer in layers
+        if layer.has_alibi and not _close(layer.alibi_slopes, flashinfer_alibi_slopes(layer.num_q_heads))
+    ]
+    if other_slopes:
+        return (
+            f"layers {other_slopes} have ALiBi slopes other than FlashInfer's built-in ones (Falcon divides "
+            "them by sqrt(head_dim)), the only ones its ALIBI mode applies"
+        )
     capped_sink_layers = [layer.layer_idx for layer in layers if layer.has_sinks and layer.softcap is not None]
     if capped_sink_layers:
         return (
@@ -249,3 +264,16 @@ def flashinfer_unplanned_features(layers: list, page_size: int | None) -> str | 
             "nnrun's FlashInfer backend plans chunks from"
         )
     return None
+
+
+def flashinfer_alibi_slopes(num_heads: int) -> list[float]:
+    """The slopes FlashInfer's ALIBI mode uses (its `utils.get_alibi_slopes`): the ALiBi paper's, as Bloom's."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = [2.0 ** (-8.0 * i / closest) for i in range(1, closest + 1)]
+    extra = [2.0 ** (-4.0 * i / closest) for i in range(1, 2 * (num_heads - closest), 2)]
+    return slopes + extra
+
+
+def _close(slopes: tuple[float, ...], expected: list[float]) -> bool:
+    # Float32 slopes computed another way may differ from these in the last bit.
+    return len(slopes) == len(expected) and all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(slopes, expected))
