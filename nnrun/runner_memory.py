@@ -75,6 +75,7 @@ class KVPoolSetup:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
+        state_bytes_before = self.state_pool.nbytes if self.state_pool is not None else 0
         try:
             for lengths in steps:
                 self.run_dummy_step(lengths)
@@ -85,6 +86,8 @@ class KVPoolSetup:
             ) from error
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
+        if self.state_pool is not None:  # allocated by these steps and kept: counted as in use, not as activations
+            peak -= self.state_pool.nbytes - state_bytes_before
         self.kv_pool = self.allocator = self.req_to_token_pool = self.attn_backend = None
         torch.cuda.empty_cache()
         return peak
