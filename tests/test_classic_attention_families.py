@@ -231,3 +231,23 @@ def test_adapted_models_called_plainly_are_hf_exactly(variant):
     assert torch.equal(got.logits, want.logits)
     for got_layer, want_layer in zip(got.attentions, want.attentions):
         assert torch.equal(got_layer, want_layer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("model_type", ["bloom", "mpt"])
+def test_alibi_on_real_flashinfer_matches_hf_in_bf16(model_type):
+    """FlashInfer's own ALIBI kernels (64-dim heads, which its kernels are built for) against HF in float32."""
+    from test_gpu_flashinfer import TOL, assert_matches_oracle, engine, fp32_twin
+
+    config = tiny_config(model_type)
+    config.hidden_size = 256  # 4 heads of 64 (MPT's config maps hidden_size to d_model)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    twin = fp32_twin(model)
+    prompts = prompts_of((1, 7, 33, 100, 17))
+    params = nnrun.SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=0, logprobs=0, ignore_eos=True)
+    with engine(model, "flashinfer", torch.bfloat16, page_size=16, max_num_batched_tokens=64) as llm:
+        assert llm.runner.exact_forward is None and all(layer.has_alibi for layer in llm.runner.layers)
+        outputs = llm.generate(prompts, params)
+    assert_matches_oracle(twin, prompts, outputs, TOL[torch.bfloat16])
