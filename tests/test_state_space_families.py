@@ -257,3 +257,36 @@ def test_a_torch_hook_inside_a_mixer_is_refused_by_name():
             handle.remove()
         llm.runner.run_prefill_only([list(SHORT), list(LONG)])  # without it, the same forward runs
         assert_all_rows_free(llm)
+
+
+@pytest.mark.parametrize("model_type", ("mamba", "qwen3_next"))
+def test_several_new_tokens_after_a_cached_prefix_continue_the_state(model_type):
+    """No scheduler step brings more than one token after a prefix today; the mixers still continue correctly."""
+    from nnrun.forward_batch import ForwardMode, packed_forward_batch
+    from nnrun.memory import hold_kv
+
+    model = tiny_model(model_type)
+    oracle = twin(model)
+    prompt, more = list(LONG[:6]), list(LONG[6:])
+    with nnrun.LLM(model, max_num_seqs=4, max_model_len=64) as llm:
+        runner = llm.runner
+        with runner.step_lock, runner._transient_requests([prompt, list(SHORT)]) as reqs:
+            first = packed_forward_batch(
+                reqs, ForwardMode.EXTEND, runner.req_to_token_pool.req_to_token, runner.allocator.page_size, [0, 0]
+            )
+            runner.forward(first)
+            for req in reqs:
+                req.num_computed_tokens = req.num_tokens
+            reqs[0].output_token_ids.extend(more)  # 5 new tokens after a 6-token prefix
+            reqs[1].output_token_ids.append(7)  # a decode beside it
+            for req in reqs:
+                assert hold_kv(req, req.num_tokens, runner.allocator, runner.req_to_token_pool)
+            second = packed_forward_batch(
+                reqs, ForwardMode.EXTEND, runner.req_to_token_pool.req_to_token, runner.allocator.page_size, [1, 0]
+            )
+            output = runner.forward(second)
+        expected = hf_logits(oracle, prompt + more)
+        assert_close_packed(output.prompt_logits[0], expected[6:-1], rel=MIXER_REL)
+        assert_close_packed(output.next_token_logits[0], expected[-1], rel=MIXER_REL)
+        assert_close_packed(output.next_token_logits[1], hf_logits(oracle, list(SHORT) + [7])[-1], rel=MIXER_REL)
+        assert_all_rows_free(llm)
