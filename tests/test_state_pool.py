@@ -49,3 +49,28 @@ def test_commit_counts_tokens_only_for_rows_every_mixer_layer_reached():
     step.commit()
     assert pool.num_tokens[:2] == [4, -1]  # row 1's state is half a step ahead: unusable, never resumed from
     assert torch.equal(pool.tensors[(2, "conv", 0)][0], torch.ones(2))
+
+
+def test_a_module_writes_back_only_the_states_it_used():
+    """Several modules of one layer may keep states under one layer_idx (a state index each): none clobbers another's."""
+    from nnrun.state.hf_cache import rows_cache, written_states
+
+    pool = StatePool(num_rows=2, device=CPU, mixer_layer_ids=[1])
+    rows = torch.tensor([0])
+    for state_idx in (0, 1):
+        pool.write((1, "conv", state_idx), rows, torch.full((1, 3, 4), float(state_idx)))
+    pool.num_tokens[0] = 5
+    cache, layer = rows_cache(pool, 1, num_states=2, rows=rows, continues=True)
+    conv = cache.get_conv_state(1, state_idx=1)  # HF's decode path updates this tensor in place
+    conv += 10
+    assert [key for key, _ in written_states(1, cache, layer)] == [(1, "conv", 1)]
+    assert torch.equal(written_states(1, cache, layer)[0][1], torch.full((1, 3, 4), 11.0))
+
+
+def test_a_fresh_prefill_reads_no_state_and_leaves_hf_its_empty_cache():
+    from nnrun.state.hf_cache import rows_cache
+
+    pool = StatePool(num_rows=2, device=CPU, mixer_layer_ids=[0])
+    pool.write((0, "recurrent", 0), torch.tensor([1]), torch.ones(1, 2, 2))  # a previous request's state in row 1
+    cache, _ = rows_cache(pool, 0, num_states=1, rows=torch.tensor([1]), continues=False)
+    assert cache.get_conv_state(0) is None and cache.get_recurrent_state(0) is None

@@ -19,9 +19,37 @@ from nnrun.state.pool import StateKey, StatePool
 _PLACEHOLDER = DummyLayer()  # the other layers' slots in `cache.layers`; the mixer never touches them
 
 
+class RowsCache(Cache):
+    """HF's `Cache` over one layer's states, noting which states the mixer used (only those are written back).
+
+    Several modules of one layer may keep states of their own under one `layer_idx` (a state index
+    each, as Inkling's short convolutions do); a module writes back only the states it read or updated.
+    """
+
+    def __init__(self, layer_idx: int, layer: LinearAttentionLayer) -> None:
+        super().__init__(layers=[_PLACEHOLDER] * layer_idx + [layer])
+        self.used: set[tuple[str, int]] = set()  # (kind, state_idx)
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self.used.add(("conv", state_idx))  # a decode updates the returned tensor in place
+        return super().get_conv_state(layer_idx, state_idx)
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        self.used.add(("conv", state_idx))
+        return super().update_conv_state(conv_states, layer_idx, state_idx, **kwargs)
+
+    def get_recurrent_state(self, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        self.used.add(("recurrent", state_idx))
+        return super().get_recurrent_state(layer_idx, state_idx)
+
+    def update_recurrent_state(self, recurrent_states: torch.Tensor, layer_idx: int, state_idx: int = 0, **kwargs):
+        self.used.add(("recurrent", state_idx))
+        return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
+
+
 def rows_cache(
     pool: StatePool, layer_idx: int, num_states: int, rows: torch.Tensor, continues: bool
-) -> tuple[Cache, LinearAttentionLayer]:
+) -> tuple[RowsCache, LinearAttentionLayer]:
     """An HF cache whose layer `layer_idx` holds these rows' states (`continues`) or nothing yet (a fresh prefill)."""
     layer = LinearAttentionLayer(number_of_states=num_states)
     if continues:
@@ -37,15 +65,17 @@ def rows_cache(
                 layer.recurrent_states[state_idx] = recurrent
                 layer.is_recurrent_states_initialized[state_idx] = True
             layer.has_previous_state[state_idx] = conv is not None or recurrent is not None
-    return Cache(layers=[_PLACEHOLDER] * layer_idx + [layer]), layer
+    return RowsCache(layer_idx, layer), layer
 
 
-def written_states(layer_idx: int, layer: LinearAttentionLayer) -> list[tuple[StateKey, torch.Tensor]]:
-    """The states HF's code left in `layer` after the mixer ran, keyed for the pool."""
+def written_states(
+    layer_idx: int, cache: RowsCache, layer: LinearAttentionLayer
+) -> list[tuple[StateKey, torch.Tensor]]:
+    """The states the mixer used, as HF's code left them in `layer`, keyed for the pool."""
     states = []
-    for state_idx in range(layer.number_of_states):
-        if layer.is_conv_states_initialized[state_idx]:
+    for kind, state_idx in sorted(cache.used):
+        if kind == "conv" and layer.is_conv_states_initialized[state_idx]:
             states.append(((layer_idx, "conv", state_idx), layer.conv_states[state_idx]))
-        if layer.is_recurrent_states_initialized[state_idx]:
+        if kind == "recurrent" and layer.is_recurrent_states_initialized[state_idx]:
             states.append(((layer_idx, "recurrent", state_idx), layer.recurrent_states[state_idx]))
     return states

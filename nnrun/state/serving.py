@@ -17,7 +17,7 @@ from nnrun.state.step import StateStep
 def state_pool_for(model: torch.nn.Module, num_rows: int, device: torch.device) -> StatePool | None:
     """Adapt the model's mixer layers and give them a pool of `num_rows` rows; None for a model without any."""
     mixers = adapt_mixers(model)
-    return StatePool(num_rows, device, [info.layer_idx for info in mixers]) if mixers else None
+    return StatePool(num_rows, device, sorted({info.layer_idx for info in mixers})) if mixers else None
 
 
 @contextmanager

@@ -92,7 +92,7 @@ class StateStep:
         cache, layer = rows_cache(self.pool, layer_idx, num_states, rows, continues=True)
         batch_kwargs = {name: _token_rows(value, self.num_tokens, starts) for name, value in kwargs.items()}
         out = call(hidden_states[0].index_select(0, starts)[:, None], cache, batch_kwargs)  # [B, 1, H]
-        self._hold(layer_idx, rows, written_states(layer_idx, layer))
+        self._hold(layer_idx, rows, written_states(layer_idx, cache, layer))
         return out
 
     def _run_alone(self, layer_idx, num_states, hidden_states, kwargs, call, segment: Segment) -> torch.Tensor:
@@ -106,7 +106,7 @@ class StateStep:
         for start, length in spans:
             span_kwargs = {name: _token_span(value, self.num_tokens, start, length) for name, value in kwargs.items()}
             outputs.append(call(hidden_states[:, start : start + length], cache, span_kwargs)[0])  # [T, H]
-        self._hold(layer_idx, rows, written_states(layer_idx, layer))
+        self._hold(layer_idx, rows, written_states(layer_idx, cache, layer))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _hold(self, layer_idx: int, rows: torch.Tensor, states: list[tuple[StateKey, torch.Tensor]]) -> None:
