@@ -102,7 +102,12 @@ def _inner_modules_unseen(mixer: torch.nn.Module) -> Iterator[None]:
             "mixer layer runs its modules once per request, so they never see the step's [1, N, ...] values; hook "
             "the mixer itself, or load the model with forward_path='exact'"
         )
-    set_aside = [(module, module.__dict__.pop("forward")) for module in inner if "forward" in module.__dict__]
+    # accelerate's own wrapper (`_hf_hook`: device placement of offloaded weights) must keep running
+    set_aside = [
+        (module, module.__dict__.pop("forward"))
+        for module in inner
+        if "forward" in module.__dict__ and not hasattr(module, "_hf_hook")
+    ]
     try:
         yield
     finally:
