@@ -290,3 +290,31 @@ def test_several_new_tokens_after_a_cached_prefix_continue_the_state(model_type)
         assert_close_packed(output.next_token_logits[0], expected[-1], rel=MIXER_REL)
         assert_close_packed(output.next_token_logits[1], hf_logits(oracle, list(SHORT) + [7])[-1], rel=MIXER_REL)
         assert_all_rows_free(llm)
+
+
+def test_calling_a_mixer_again_within_a_step_leaves_every_state_as_hf_would():
+    """A second call (intervention code calling the module itself) runs as HF runs a call given no cache."""
+    model = tiny_model("mamba")
+    oracle = twin(model)
+    calling = []
+
+    def call_again(module, args, kwargs, output):
+        if not calling:  # the hook's own call does not call again
+            calling.append(True)
+            module(args[0] * 2 if args else kwargs["hidden_states"] * 2)  # its output is dropped
+            calling.pop()
+
+    handles = [m.backbone.layers[0].mixer.register_forward_hook(call_again, with_kwargs=True) for m in (model, oracle)]
+    try:
+        with torch.no_grad():
+            hf_cache = oracle(input_ids=torch.tensor([list(LONG)]), use_cache=True).cache_params
+        with nnrun.LLM(model, max_num_seqs=4, max_model_len=64) as llm:
+            llm.runner.run_prefill_only([list(SHORT), list(LONG)])
+            row = 1  # the second transient request's table row
+            for kind in ("conv", "recurrent"):
+                ours = llm.runner.state_pool.tensors[(0, kind, 0)][row]
+                theirs = getattr(hf_cache.layers[0], f"{kind}_states")[0][0]
+                assert_close_packed(ours, theirs, rel=MIXER_REL, msg=kind)
+    finally:
+        for handle in handles:
+            handle.remove()

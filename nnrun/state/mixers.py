@@ -69,7 +69,9 @@ def _mixer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **
     """HF's own forward; inside a packed step, once per request (or per decode batch) with its state."""
     hf_forward = type(self).forward
     step = current_state_step()
-    if step is None:
+    # Outside a step, or a second call in one (intervention code calling the module itself): HF's own
+    # forward on what it was given, with the cache it was given (none), as HF alone would run that call.
+    if step is None or not step.is_first_call(self):
         return hf_forward(self, hidden_states, *args, **kwargs)
     info: MixerInfo = getattr(self, _ADAPTED)
     if args:

@@ -48,6 +48,14 @@ class StateStep:
     num_mixer_layers: int
     pending: list[tuple[StateKey, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (key, rows, values)
     reached: dict[int, set[int]] = field(default_factory=dict)  # row -> the mixer layers that ran on it
+    modules_run: set[int] = field(default_factory=set)  # id() of each mixer module the model's forward ran
+
+    def is_first_call(self, module: object) -> bool:
+        """Whether this is the model's own call of `module` in the step (a later one is someone else's)."""
+        if id(module) in self.modules_run:
+            return False
+        self.modules_run.add(id(module))
+        return True
 
     @classmethod
     def for_batch(cls, pool: StatePool, forward_batch: ForwardBatch, num_mixer_layers: int) -> "StateStep":
