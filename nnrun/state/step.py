@@ -50,6 +50,12 @@ class StateStep:
     reached: dict[int, set[int]] = field(default_factory=dict)  # row -> the mixer layers that ran on it
     modules_run: set[int] = field(default_factory=set)  # id() of each mixer module the model's forward ran
 
+    def __post_init__(self) -> None:
+        # The decodes' layout, the same for every mixer layer: built once per step, on the device once.
+        self.decodes = [s for s in self.segments if s.prefix and s.num_new == 1]
+        self.decode_starts = torch.tensor([s.start for s in self.decodes], device=self.pool.device)  # [B]
+        self.decode_rows = torch.tensor([s.row for s in self.decodes], device=self.pool.device)  # [B]
+
     def is_first_call(self, module: object) -> bool:
         """Whether this is the model's own call of `module` in the step (a later one is someone else's)."""
         if id(module) in self.modules_run:
@@ -81,22 +87,20 @@ class StateStep:
             raise RuntimeError(
                 f"mixer layer {layer_idx} got input {tuple(hidden_states.shape)}, not the step's [1, {self.num_tokens}, H]"
             )
-        decodes = [s for s in self.segments if s.prefix and s.num_new == 1]
-        if len(decodes) == len(self.segments):  # a decode step: one batched call, its output already in batch order
-            return self._run_decodes(layer_idx, num_states, hidden_states, kwargs, call, decodes).transpose(0, 1)
+        if len(self.decodes) == len(self.segments):  # a decode step: one batched call, already in batch order
+            return self._run_decodes(layer_idx, num_states, hidden_states, kwargs, call).transpose(0, 1)
         pieces: dict[int, torch.Tensor] = {}  # start -> [T, H]
-        if decodes:
-            out = self._run_decodes(layer_idx, num_states, hidden_states, kwargs, call, decodes)  # [B, 1, H]
-            pieces.update((s.start, out[i]) for i, s in enumerate(decodes))
+        if self.decodes:
+            out = self._run_decodes(layer_idx, num_states, hidden_states, kwargs, call)  # [B, 1, H]
+            pieces.update((s.start, out[i]) for i, s in enumerate(self.decodes))
         for segment in self.segments:
             if segment.prefix and segment.num_new == 1:
                 continue
             pieces[segment.start] = self._run_alone(layer_idx, num_states, hidden_states, kwargs, call, segment)
         return torch.cat([pieces[start] for start in sorted(pieces)])[None]  # [1, N, H]
 
-    def _run_decodes(self, layer_idx, num_states, hidden_states, kwargs, call, decodes: list[Segment]) -> torch.Tensor:
-        starts = torch.tensor([s.start for s in decodes], device=hidden_states.device)  # [B]
-        rows = torch.tensor([s.row for s in decodes], device=self.pool.device)  # [B]
+    def _run_decodes(self, layer_idx, num_states, hidden_states, kwargs, call) -> torch.Tensor:
+        starts, rows = self.decode_starts, self.decode_rows
         cache, layer = rows_cache(self.pool, layer_idx, num_states, rows, continues=True)
         batch_kwargs = {name: _token_rows(value, self.num_tokens, starts) for name, value in kwargs.items()}
         out = call(hidden_states[0].index_select(0, starts)[:, None], cache, batch_kwargs)  # [B, 1, H]
