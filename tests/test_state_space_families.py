@@ -318,3 +318,27 @@ def test_calling_a_mixer_again_within_a_step_leaves_every_state_as_hf_would():
     finally:
         for handle in handles:
             handle.remove()
+
+
+@pytest.mark.parametrize("model_type", ("qwen3_next", "nemotron_h"))
+def test_a_hybrid_on_the_flashinfer_backend_plans_its_kv_free_layers_with_an_attention_layer(monkeypatch, model_type):
+    """KV-free layers between attention layers hold no KV pages, and FlashInfer's plan groups still cover every index."""
+    import sys
+
+    from fake_flashinfer import make_fake_flashinfer
+    from nnrun.attention.flashinfer_backend import FlashInferAttnBackend
+    from nnrun.state.placeholders import StateLayerPlaceholder
+
+    fake = make_fake_flashinfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    model = tiny_model(model_type)
+    expected = [hf_greedy(twin(model), prompt) for prompt in PROMPTS]
+    with nnrun.LLM(model, max_num_seqs=4, max_model_len=64) as llm:
+        runner = llm.runner
+        placeholders = [layer.layer_idx for layer in runner.layers if isinstance(layer, StateLayerPlaceholder)]
+        assert placeholders and all(runner.kv_pool.k_pages[i].numel() == 0 for i in placeholders)
+        runner.attn_backend = FlashInferAttnBackend(
+            runner.kv_pool, runner.device, runner.layers, workspace_bytes=1 << 16
+        )
+        assert tokens_of(llm.generate([list(p) for p in PROMPTS], GREEDY)) == expected
+    assert any(call.kind == "run" for call in fake.calls)
