@@ -342,3 +342,30 @@ def test_a_hybrid_on_the_flashinfer_backend_plans_its_kv_free_layers_with_an_att
         )
         assert tokens_of(llm.generate([list(p) for p in PROMPTS], GREEDY)) == expected
     assert any(call.kind == "run" for call in fake.calls)
+
+
+def test_gradients_flow_through_each_invokes_mixer(mamba_lm):
+    """A trace's backward reaches a mixer's output through the per-request calls, as on plain HF."""
+    lm, oracle = mamba_lm
+    with lm.trace() as tracer:
+        with tracer.invoke(list(SHORT)):
+            mixer = lm.backbone.layers[0].mixer.output.save()
+            mixer.retain_grad()
+            logits = lm.lm_head.output
+            (logits[0, -1].logsumexp(-1) - logits[0, -1, 0]).backward()
+        with tracer.invoke(list(LONG)):
+            lm.output.logits.save()
+    seen = {}
+
+    def keep(module, args, output):
+        output.retain_grad()
+        seen["mixer"] = output
+
+    handle = oracle.backbone.layers[0].mixer.register_forward_hook(keep)
+    try:
+        logits = oracle(input_ids=torch.tensor([list(SHORT)]), use_cache=False).logits
+        (logits[0, -1].logsumexp(-1) - logits[0, -1, 0]).backward()
+    finally:
+        handle.remove()
+    assert mixer.grad is not None
+    assert_close_packed(mixer.grad, seen["mixer"].grad, rel=MIXER_REL)
