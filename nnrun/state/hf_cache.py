@@ -6,7 +6,8 @@ only through `get_conv_state` / `update_conv_state` / `get_recurrent_state` /
 `LinearAttentionLayer`. We hand it exactly that: HF's own layer class, filled with the gathered
 rows' states when the requests continue, empty (HF's fresh-prefill path) when they start. HF's
 code then pads, concatenates and updates the states as it does for one prompt alone; afterwards
-the layer's tensors are what the pool stores for those rows.
+the layer's tensors are what the pool stores for those rows (those the mixer used: `RowsCache`
+notes them).
 """
 
 from __future__ import annotations
