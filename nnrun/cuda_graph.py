@@ -102,7 +102,11 @@ class DecodeGraphRunner:
 
         def forward() -> torch.Tensor:
             position_ids = self.positions[:batch_size][None]  # [1, bs]
-            with forward_context(self.backend, position_ids=position_ids), hf_masks_skipped(), torch.no_grad():
+            with (
+                forward_context(self.backend, position_ids=position_ids),
+                hf_masks_skipped(self.model),
+                torch.no_grad(),
+            ):
                 output = self.model(
                     input_ids=self.input_ids[:batch_size][None],
                     position_ids=position_ids,

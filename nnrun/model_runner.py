@@ -263,7 +263,7 @@ class ModelRunner(KVPoolSetup):
         logits_indices = forward_batch.logits_indices.to(self.device)  # [R]
         with (
             forward_context(backend, probs_plan, position_ids),
-            hf_masks_skipped(),
+            hf_masks_skipped(self.model),
             self.grad_context(forward_batch),
             serve_states(self.state_pool, forward_batch),
         ):

@@ -251,3 +251,21 @@ def test_alibi_on_real_flashinfer_matches_hf_in_bf16(model_type):
         assert llm.runner.exact_forward is None and all(layer.has_alibi for layer in llm.runner.layers)
         outputs = llm.generate(prompts, params)
     assert_matches_oracle(twin, prompts, outputs, TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("variant", ["gptj", "falcon_alibi"])
+def test_no_hf_mask_is_built_inside_a_packed_step(variant):
+    """Inside a step the model bears nnrun's implementation name, so HF builds no [1, 1, N, N] mask; its own after."""
+    model = build(variant)
+    own_name = model.config._attn_implementation
+    masks = []
+    with nnrun.LLM(model, page_size=4) as llm:
+        attention = [module for module in model.modules() if hasattr(module, "_nnrun_classic_attention")]
+        handle = attention[0].register_forward_pre_hook(
+            lambda module, args, kwargs: masks.append(kwargs.get("attention_mask", args[2:3] or None)),
+            with_kwargs=True,
+        )
+        llm.generate([prompts_of()[1]], nnrun.SamplingParams(max_tokens=2, ignore_eos=True))
+        handle.remove()
+    assert masks and all(mask is None for mask in masks)
+    assert model.config._attn_implementation == own_name

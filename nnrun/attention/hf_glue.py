@@ -25,6 +25,9 @@ ATTN_IMPLEMENTATION = "nnrun_paged"
 # of factors for its queries: set by a pass over the model (nnrun/position_adapters.py) on modules that
 # scaled their queries by positions they numbered themselves.
 QUERY_RESCALE = "_nnrun_query_rescale"
+# Set (True) in a model's `__dict__` by nnrun/attention/classic when its config keeps its own attention
+# implementation's name but its forward runs as well with ours and no mask: `hf_masks_skipped` uses it.
+MASK_FREE_UNDER_OUR_NAME = "_nnrun_mask_free_under_our_name"
 
 
 def paged_attention_forward(
@@ -170,7 +173,7 @@ def paged_attention_mask(*args, **kwargs) -> torch.Tensor | None:
 
 
 @contextmanager
-def hf_masks_skipped() -> Iterator[None]:
+def hf_masks_skipped(model: torch.nn.Module | None = None) -> Iterator[None]:
     """Within an engine step, HF prepares no attention mask at all.
 
     The mask builder above is registered so that the model, called plainly, masks like sdpa. But
@@ -178,14 +181,25 @@ def hf_masks_skipped() -> Iterator[None]:
     preprocessing first, `find_packed_sequence_indices` included (a `.all()` that syncs a GPU),
     before reaching a builder that returns None. HF's own early exit for implementations that
     build no mask skips all of it: while a step runs, the name is taken out of the mask registry.
+    A `model` whose config keeps its own implementation's name (the classic families, which
+    cannot take ours: nnrun/attention/classic) bears ours for the step too when the classic pass
+    marked it `MASK_FREE_UNDER_OUR_NAME`, or it would build an eager `[1, 1, N, N]` mask over the
+    whole packed batch (Falcon with ALiBi: one per head) that its adapted attention never reads.
     Re-entrant; the engine runs one step at a time (a plain call from another thread during a step
     already lands in the engine's attention, by the one forward context).
     """
     registry = AttentionMaskInterface._global_mapping
     builder = registry.pop(ATTN_IMPLEMENTATION, None)
+    config = getattr(model, "config", None)
+    mask_free = model is not None and model.__dict__.get(MASK_FREE_UNDER_OUR_NAME, False)
+    own_name = config._attn_implementation_internal if mask_free else ATTN_IMPLEMENTATION
+    if own_name != ATTN_IMPLEMENTATION:
+        config._attn_implementation_internal = ATTN_IMPLEMENTATION
     try:
         yield
     finally:
+        if own_name != ATTN_IMPLEMENTATION:
+            config._attn_implementation_internal = own_name
         if builder is not None:
             registry[ATTN_IMPLEMENTATION] = builder
 

@@ -7,6 +7,7 @@ from typing import Callable
 import torch
 
 from nnrun.attention.classic import attn_method, bloom, falcon, mpt
+from nnrun.attention.hf_glue import MASK_FREE_UNDER_OUR_NAME
 
 _MODELS = "transformers.models"
 # The exact HF class (its module path and name) -> what adapts an instance. Subclasses (the flash
@@ -24,19 +25,26 @@ ADAPTERS: dict[str, Callable[[torch.nn.Module], None]] = {
     f"{_MODELS}.openai.modeling_openai.Attention": attn_method.install(attn_method.OPENAI_GPT),
 }
 _ADAPTED = "_nnrun_classic_attention"  # set on an adapted module: the pass runs once per module
+# Families whose model forward needs the mask HF builds under its own implementation name (MPT calls
+# `.to(torch.bool)` on it): their steps build it, and their adapted attention ignores it.
+_NEED_THEIR_MASK = {f"{_MODELS}.mpt.modeling_mpt.MptAttention"}
 
 
 def adapt_classic_attention(model: torch.nn.Module) -> list[str]:
     """Route every classic attention module of `model` through the paged attention; returns their paths (idempotent)."""
-    adapted = []
+    adapted, need_their_mask = [], False
     for path, module in model.named_modules():
-        adapter = ADAPTERS.get(f"{type(module).__module__}.{type(module).__qualname__}")
+        name = f"{type(module).__module__}.{type(module).__qualname__}"
+        adapter = ADAPTERS.get(name)
         if adapter is None:
             continue
+        need_their_mask |= name in _NEED_THEIR_MASK
         if not module.__dict__.get(_ADAPTED, False):
             adapter(module)
             module.__dict__[_ADAPTED] = True
             if getattr(module, "layer_idx", None) is None:  # HF numbers no layers (OpenAI GPT): in model order
                 module.layer_idx = len(adapted)
         adapted.append(path)
+    if adapted and not need_their_mask:  # steps skip HF's mask, which the adapted attention never reads
+        model.__dict__[MASK_FREE_UNDER_OUR_NAME] = True
     return adapted
