@@ -7,7 +7,8 @@ import pytest
 from families.sweep import check_family
 
 # One family per way a model can meet nnrun: attention on transformers' interface (llama), attention
-# sinks (gpt_oss), attention outside the interface (gptj), positions numbered from an offset
+# sinks (gpt_oss), attention outside the interface routed by nnrun/attention/classic (gptj), positions
+# numbered from an offset
 # (roberta); below, a state-space model (mamba) and a hybrid of linear attention and attention
 # (qwen3_next), both packed over the state pool; a recurrent model the state pool does not serve
 # (rwkv keeps its own `state`) and a hybrid whose recurrent block is its own code (recurrent_gemma),
