@@ -269,3 +269,10 @@ def test_no_hf_mask_is_built_inside_a_packed_step(variant):
         handle.remove()
     assert masks and all(mask is None for mask in masks)
     assert model.config._attn_implementation == own_name
+
+
+def test_gpt_neo_local_layers_are_probed_with_their_window():
+    """GPT-Neo's local layers mask keys `window_size` back: HF's sliding window, recorded per layer at load."""
+    with nnrun.LLM(build("gpt_neo_local_window"), page_size=4) as llm:
+        assert [layer.sliding_window for layer in llm.runner.layers] == [None, 4]
+        assert [layer.scaling for layer in llm.runner.layers] == [1.0, 1.0]  # GPT-Neo does not scale its scores
