@@ -299,7 +299,7 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         if getattr(self.engine.runner, "ships_jobs", False):  # serialized here, where its saves are known
             refuse_on_ranks(job)
             job.pushes_every_name = getattr(tracing_thread_state, "depth", 0) > 1  # inside a session
-            job.shipped = ship_job(job)
+            job.shipped = ship_job(job, type(self))
         run_trace_job(self.engine, job, feed=feed)
 
     def _generate_plain(self, inputs: tuple, kwargs: dict) -> torch.Tensor:

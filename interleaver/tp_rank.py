@@ -73,7 +73,7 @@ class NNsightShardRunner(NNsightGPUModelRunner, ShardRunner):
         transformers 5.23 shards it over the vocabulary by default; its value at the handoff is then a
         masked partial sum whose mask DTensor has already released, which nnsight cannot make whole
         (an AssertionError in torch's reduction). Kept whole, `embed_tokens.output` is HF's tensor on
-        every rank, at the cost of one embedding table per rank.
+        every rank, at the cost of one embedding table per rank (and, with tied weights, the whole head).
         """
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -87,9 +87,11 @@ class NNsightShardRunner(NNsightGPUModelRunner, ShardRunner):
             )
         skeleton.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.skeleton = skeleton.eval()  # the whole model, no weights: what each module's values look like unsplit
-        embedding = skeleton.get_input_embeddings()
-        name = next(name for name, module in skeleton.named_modules() if module is embedding)
-        return {name: "replicated_with_grad_allreduce"}
+        embedding, head = skeleton.get_input_embeddings(), skeleton.get_output_embeddings()
+        whole = [embedding]
+        if head is not None and getattr(head, "weight", None) is embedding.weight:
+            whole.append(head)  # tied: one table, so the head is whole too (each rank computes every logit)
+        return {name: "replicated_with_grad_allreduce" for name, module in skeleton.named_modules() if module in whole}
 
     def load_model(self) -> None:
         super().load_model()

@@ -21,8 +21,10 @@ from typing import Any
 import torch
 
 from nnsight.intervention import serialization
+from nnsight.intervention.eproperty import eproperty
 
 from interleaver.jobs import Invocation, TraceJob
+from nnrun.forward_batch import OUTPUT_ATTENTIONS_ARG
 from nnrun.request import Request
 from nnrun.sampling_params import SamplingParams
 
@@ -40,6 +42,23 @@ class RankEnvoys(dict):
 
     def __init__(self, root: Any) -> None:
         super().__init__({ENVOY_ID + path: envoy for path, envoy in root.modules(names=True)})
+        self.root = root
+        self.client_class: type | None = None
+
+    def serve_as(self, client_class: type) -> None:
+        """Give the rank's root the caller's served values (`nnrun.VLLM`'s `[1, 1]` `model.samples`).
+
+        One engine serves one client class, so this happens once: the root becomes a subclass of its
+        own class carrying the client class's eproperties.
+        """
+        if client_class is self.client_class:
+            return
+        served = {}
+        for klass in reversed(client_class.__mro__):
+            served.update({name: attr for name, attr in vars(klass).items() if isinstance(attr, eproperty)})
+        base = type(self.root) if self.client_class is None else type(self.root).__bases__[0]
+        self.root.__class__ = type(f"Rank{client_class.__name__}", (base,), served)
+        self.client_class = client_class
 
 
 # ---- front end -> ranks: jobs ----------------------------------------------------------------
@@ -52,6 +71,7 @@ class ShippedJob:
     needs_grad: bool
     pad_token_id: int
     pushes_every_name: bool
+    client_class: type  # the caller's model class: its values (`model.samples`) are served as that class serves them
     invocations: list[tuple[Any, list[str], int, bool]]  # (mediator, request ids, index, is_edit)
     requests: list[tuple[str, list[int], SamplingParams, dict]]  # (id, prompt ids, params, extra args)
 
@@ -64,20 +84,27 @@ def refuse_on_ranks(job: TraceJob) -> None:
             "through the ranks' gathered values does not reach the same collectives on every rank. Run this trace "
             "with tensor_parallel_size=1"
         )
+    if any(req.extra_args.get(OUTPUT_ATTENTIONS_ARG) for req in job.requests.values()):
+        raise NotImplementedError(
+            "output_attentions=True is not served on tensor-parallel ranks yet: each rank computes the attention "
+            "probabilities of its own heads only. Run this trace with tensor_parallel_size=1"
+        )
 
 
-def ship_job(job: TraceJob) -> bytes:
+def ship_job(job: TraceJob, client_class: type) -> bytes:
     """Serialized on the caller's thread, before it submits: nnsight records there which names were saved."""
-    return serialization.dumps(_shipped(job))
+    return serialization.dumps(_shipped(job, client_class))
 
 
-def _shipped(job: TraceJob) -> ShippedJob:
+def _shipped(job: TraceJob, client_class: type) -> ShippedJob:
     invocations = [(inv.mediator, list(inv.request_ids), inv.index, inv.is_edit) for inv in job.invocations]
     requests = [
         (rid, list(req.prompt_token_ids), req.sampling_params, _plain_args(req.extra_args))
         for rid, req in job.requests.items()
     ]
-    return ShippedJob(job.seq, job.kind, job.needs_grad, job.pad_token_id, job.pushes_every_name, invocations, requests)
+    return ShippedJob(
+        job.seq, job.kind, job.needs_grad, job.pad_token_id, job.pushes_every_name, client_class, invocations, requests
+    )
 
 
 def _plain_args(extra_args: dict) -> dict:
@@ -89,6 +116,7 @@ def receive_jobs(payloads: list[bytes], envoys: RankEnvoys, device: torch.device
     jobs = []
     for payload in payloads:
         shipped = serialization.loads(payload, envoys)
+        envoys.serve_as(shipped.client_class)
         invocations = [
             Invocation(mediator, request_ids, index, is_edit=is_edit)
             for mediator, request_ids, index, is_edit in shipped.invocations
