@@ -64,8 +64,7 @@ def test_vllm_engine_keywords_reach_the_engine(models):
 
 @pytest.mark.parametrize(
     "keyword",
-    [
-        {"tensor_parallel_size": 2},
+    [  # (tensor_parallel_size is served: tests/tp/test_tp_nnsight.py)
         {"pipeline_parallel_size": 2},
         {"distributed_executor_backend": "ray"},
         {"mode": "async"},
