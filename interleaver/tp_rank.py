@@ -105,6 +105,8 @@ class NNsightShardRunner(NNsightGPUModelRunner, ShardRunner):
 
     def serve_exchange(self, payload: bytes) -> bytes | None:
         message = pickle.loads(payload)
+        if message["op"] not in ("step", "finish"):  # an extraction's prefill: the shard runner's own
+            return super().serve_exchange(payload)
         self._receive(message["jobs"])
         if message["op"] == "step":
             answer = self._step(message)

@@ -44,6 +44,8 @@ class LogitsProcessorOutput:
 class ModelRunner(KVPoolSetup):
     """Runs the unmodified HF module tree over one flat packed batch per step."""
 
+    captures_on_ranks = False  # extraction hooks this process's modules (tensor-parallel runners: the ranks')
+
     attn_implementation: str = ATTN_IMPLEMENTATION  # the name the model's config keeps for its attention (load_model)
 
     state_pool: StatePool | None = None  # per-request recurrent state of mixer layers (nnrun/state), if any

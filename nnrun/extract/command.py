@@ -149,6 +149,8 @@ def _run_job(args: argparse.Namespace) -> int:
     }
     if args.batch_tokens is not None:
         llm_kwargs["max_num_batched_tokens"] = args.batch_tokens
+    if args.tensor_parallel_size > 1:
+        llm_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     try:
         summary = extract(
             args.model,

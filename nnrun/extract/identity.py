@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +42,28 @@ def weights_hash(model: torch.nn.Module) -> tuple[str, str]:
         for window in range(_SAMPLE_WINDOWS):
             digest.update(_to_cpu_bytes(raw[window * stride : window * stride + _SAMPLE_BYTES]))
     return digest.hexdigest(), mode
+
+
+def checkpoint_hash(folder: str) -> tuple[str, str]:
+    """(sha256 over a checkpoint folder's weight files, "checkpoint files"): for a model whose weights this
+    process never holds (tensor-parallel ranks each read a shard). Each file gives its name, its size and
+    evenly spaced windows of its bytes, or all of them when it is small."""
+    digest = hashlib.sha256()
+    files = sorted(path for path in Path(folder).iterdir() if path.suffix in (".safetensors", ".bin", ".pt"))
+    if not files:
+        raise ValueError(f"no weight files (*.safetensors, *.bin) in {folder} to identify the model by")
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size};".encode())
+        with path.open("rb") as file:
+            if size <= _SAMPLE_WINDOWS * _SAMPLE_BYTES:
+                digest.update(file.read())
+                continue
+            stride = (size - _SAMPLE_BYTES) // (_SAMPLE_WINDOWS - 1)
+            for window in range(_SAMPLE_WINDOWS):
+                file.seek(window * stride)
+                digest.update(file.read(_SAMPLE_BYTES))
+    return digest.hexdigest(), "checkpoint files"
 
 
 def tokenizer_hash(tokenizer: Any) -> str | None:

@@ -20,7 +20,7 @@ from nnrun.config import resolve_dtype
 from nnrun.extract.committer import ShardCommit, ShardCommitter
 from nnrun.extract.folder import open_folder
 from nnrun.extract.hooks import ActivationCapture, ModuleSpec, StopForward, gather_rows, packed_starts, resolve_modules
-from nnrun.extract.identity import config_hash, tokenizer_hash, weights_hash
+from nnrun.extract.identity import checkpoint_hash, config_hash, tokenizer_hash, weights_hash
 from nnrun.extract.inputs import InputError, PromptSource
 from nnrun.extract.manifest import Manifest
 from nnrun.extract.plan import HashedRecords, ShardPlan, forward_batches, plan_shards
@@ -106,7 +106,10 @@ class ExtractionJob:
 
     def settings(self) -> dict[str, Any]:
         """Everything that shapes the stored bytes; a resume must match it exactly."""
-        weights_sha256, weights_mode = weights_hash(self.llm.model)
+        if self.runner.captures_on_ranks:  # the weights are on the ranks: the checkpoint they read identifies them
+            weights_sha256, weights_mode = checkpoint_hash(self.runner.checkpoint)
+        else:
+            weights_sha256, weights_mode = weights_hash(self.llm.model)
         settings = {
             "model": {
                 "config_sha256": config_hash(self.llm.model),
@@ -127,6 +130,9 @@ class ExtractionJob:
             "text_field": self.source.text_field,
             "limit": self.source.limit,
         }
+        tp_size = self.llm.config.parallel.tensor_parallel_size
+        if tp_size > 1:  # ranks sum each row-parallel projection in pieces: other float rounding than one device
+            settings["tensor_parallel_size"] = tp_size
         return json.loads(json.dumps(settings))  # exactly what a reloaded manifest compares against
 
     def model_info(self) -> dict[str, Any]:
@@ -173,6 +179,13 @@ class ExtractionJob:
     def _forward(self, batch: list[PreparedPrompt]) -> dict[str, torch.Tensor]:
         """One packed prefill; each module's rows for the batch's prompts, back to back."""
         lengths = [p.num_tokens for p in batch]
+        if self.runner.captures_on_ranks:  # tensor-parallel: the hooks run on rank 0's modules
+            forward_batch, flat = self.runner.run_prefill_capturing(
+                [p.token_ids for p in batch], self.specs, self.store_dtype
+            )
+            starts, seq_lens = list(forward_batch.extend_start_loc), list(forward_batch.extend_seq_lens)
+            flat = {name: value.to(self.runner.device) for name, value in flat.items()}
+            return {name: gather_rows(value, starts, lengths, self.options.positions) for name, value in flat.items()}
         with ActivationCapture(self.llm.model, self.specs, self.store_dtype, self.can_stop_early) as capture:
             try:
                 forward_batch = self.runner.run_prefill_only([p.token_ids for p in batch])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import pickle
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -18,11 +19,13 @@ import torch
 
 import nnrun.tp.wire as wire
 from nnrun.config import EngineConfig
+from nnrun.extract.hooks import ModuleSpec
 from nnrun.forward_batch import ForwardBatch
 from nnrun.loader import _load_tokenizer, _resolve_path, check_model_supported
 from nnrun.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from nnrun.model_runner import LogitsProcessorOutput, ModelRunner
 from nnrun.sampler import SamplerOutput
+from nnrun.tp.capture import refuse_split_values
 from nnrun.tp.group import RankGroup
 from nnrun.tp.plan import check_tensor_parallel_plan
 from nnrun.tp.worker import DEFAULT_RANK_RUNNER
@@ -30,6 +33,8 @@ from nnrun.tp.worker import DEFAULT_RANK_RUNNER
 
 class TensorParallelRunner(ModelRunner):
     """A `ModelRunner` whose forward runs on `tensor_parallel_size` rank processes."""
+
+    captures_on_ranks = True  # extraction's hooks run on rank 0's modules (`run_prefill_capturing`)
 
     rank_runner = DEFAULT_RANK_RUNNER  # the runner each rank runs ("module:Class"); subclasses name their own
 
@@ -131,9 +136,25 @@ class TensorParallelRunner(ModelRunner):
 
     def run_prefill_only(self, token_id_lists: list[list[int]]) -> ForwardBatch:
         raise NotImplementedError(
-            "activation extraction (nnrun.extract, nnrun extract) is not served with tensor_parallel_size > 1 yet: "
-            "module hooks would run on the ranks, not here. Extract with tensor_parallel_size=1"
+            "run_prefill_only with tensor_parallel_size > 1: module hooks registered here would not run (the "
+            "forward runs on the ranks); extraction uses run_prefill_capturing, which hooks the ranks' modules"
         )
+
+    def run_prefill_capturing(
+        self, token_id_lists: list[list[int]], specs: list[ModuleSpec], dtype: torch.dtype
+    ) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
+        """One packed prefill on the ranks; each spec's flat `[N, ...]` value from rank 0 (whole values only)."""
+        refuse_split_values(self.model, specs, self.config.parallel.tensor_parallel_size)
+        with self.step_lock, self._transient_requests(token_id_lists) as reqs:
+            forward_batch = self.prepare_forward_batch_extend(reqs)
+            forward_batch.logits_indices = torch.zeros(0, dtype=torch.int64)
+            message = {
+                "op": "prefill",
+                "step": bytes(wire.encode_step(forward_batch, self.allocator.page_size)),
+                "specs": specs,
+                "dtype": dtype,
+            }
+            return forward_batch, pickle.loads(self.group.exchange(pickle.dumps(message)))
 
     def shutdown(self) -> None:
         """Stop every rank (called as the engine thread ends, or by `LLM.shutdown`)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
+import pickle
 import signal
 import threading
 import time
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 import nnrun.tp.wire as wire
 from nnrun.config import EngineConfig
+from nnrun.extract.hooks import ActivationCapture
 from nnrun.model_runner import ModelRunner
 from nnrun.sampler import SamplerOutput
 from nnrun.tp.profiling import CollectiveTimer
@@ -109,7 +111,20 @@ class ShardRunner(ModelRunner):
 
     def serve_exchange(self, payload: bytes) -> bytes | None:
         """A runner's own message from its front end (`RankGroup.exchange`); rank 0's answer goes back."""
-        raise ValueError(f"{type(self).__name__} serves no exchange messages")
+        message = pickle.loads(payload)
+        if message["op"] != "prefill":
+            raise ValueError(f"{type(self).__name__} serves no {message['op']!r} exchange")
+        return pickle.dumps(self.prefill_capturing(message))
+
+    def prefill_capturing(self, message: dict) -> dict[str, torch.Tensor]:
+        """An extraction's prefill: every rank runs it, rank 0's hooks keep the values (each `[N, ...]`, on the CPU)."""
+        forward_batch = wire.decode_step(message["step"], self.allocator.page_size)
+        forward_batch.next_token_logits_rows = []
+        forward_batch.prompt_logits_rows = [None] * forward_batch.batch_size
+        with ActivationCapture(self.model, message["specs"], message["dtype"]) as capture:
+            self.run_model(forward_batch)
+            values = capture.take(forward_batch.num_tokens)
+        return {name: value.cpu() for name, value in values.items()}
 
 
 def run_rank(spec: RankSpec, conn: Connection, parent_pid: int) -> None:
