@@ -24,7 +24,7 @@ from families.tiny import tiny_config
 from nnrun.attention.classic import adapt_classic_attention
 from nnrun.attention.flashinfer_backend import FlashInferAttnBackend
 from nnrun.attention.flashinfer_plan import flashinfer_alibi_slopes, flashinfer_unplanned_features
-from nnrun.forward_batch import OUTPUT_ATTENTIONS_ARG
+from packed_probs import packed_attention_probs
 from test_packed_families import assert_packed_matches_hf, prompts_of
 from tolerance import PACKED_REL, assert_close_packed
 
@@ -183,30 +183,9 @@ def test_attention_probabilities_match_hf_eager(variant):
     model = build(variant)
     oracle = plain_twin(model)
     prompts = prompts_of()
-    seen: dict = {}
-    with nnrun.LLM(model, page_size=4) as llm:
-        runner = llm.runner
-        attention = [module for module in model.modules() if hasattr(module, "_nnrun_classic_attention")]
-        assert attention and runner.exact_forward is None
-        reqs = [
-            llm.make_request(prompt, nnrun.SamplingParams(max_tokens=1), extra_args={OUTPUT_ATTENTIONS_ARG: True})
-            for prompt in prompts
-        ]
-
-        def record(module, args, output) -> None:
-            seen[module.layer_idx] = output[1]
-
-        handles = [module.register_forward_hook(record) for module in attention]
-        try:
-            for req in reqs:
-                req.page_ids = runner.allocator.alloc(runner.allocator.pages_needed(req.num_tokens))
-                req.req_pool_idx = runner.req_to_token_pool.alloc()
-            runner.forward(runner.prepare_forward_batch_extend(reqs))
-        finally:
-            for handle in handles:
-                handle.remove()
-            for req in reqs:
-                runner.release_kv(req)
+    seen = packed_attention_probs(
+        model, prompts, lambda loaded: [m for m in loaded.modules() if hasattr(m, "_nnrun_classic_attention")]
+    )
     for row, prompt in enumerate(prompts):
         with torch.no_grad():
             expected = oracle(torch.tensor([prompt]), output_attentions=True).attentions  # per layer [1, H, T, T]

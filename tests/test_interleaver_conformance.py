@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
-from conformance.compare import assert_same
+from conformance.compare import assert_scenario_same
 from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer, twin
 from conformance.scenarios import SCENARIOS
 
@@ -26,11 +24,7 @@ def models():
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_scenario_matches_nnsight_on_hf(models, name):
     oracle, ours, tokenizer = models
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        expected = SCENARIOS[name](oracle, tokenizer)
-        actual = SCENARIOS[name](ours, tokenizer)
-    assert_same(expected, actual, name)
+    assert_scenario_same(name, oracle, ours, tokenizer)
 
 
 def test_suite_is_large_enough():

@@ -24,10 +24,10 @@ from fake_flashinfer import make_fake_flashinfer
 from nnrun.attention import selection
 from nnrun.attention.flashinfer_backend import FlashInferAttnBackend
 from nnrun.attention.flashinfer_plan import plan_paged_kv
-from nnrun.forward_batch import OUTPUT_ATTENTIONS_ARG
 from nnrun.memory import LayerKVShape
 from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
 from nnrun.position_adapters import adapt_positions, max_positions
+from packed_probs import packed_attention_probs
 from tolerance import assert_close_packed
 
 VOCAB = 128
@@ -225,29 +225,9 @@ def test_attention_probabilities_with_sinks_and_chunks_match_hf_eager(model_type
     model = tiny_model(model_type, **settings)
     oracle = hf_twin(model)
     prompts = prompts_of()
-    attention = [module for module in model.modules() if type(module).__name__.endswith("Attention")]
-    seen: dict = {}
-    with nnrun.LLM(model, page_size=4) as llm:
-        runner = llm.runner
-        reqs = [
-            llm.make_request(prompt, nnrun.SamplingParams(max_tokens=1), extra_args={OUTPUT_ATTENTIONS_ARG: True})
-            for prompt in prompts
-        ]
-
-        def record(module, args, output) -> None:
-            seen[module.layer_idx] = output[1]
-
-        handles = [module.register_forward_hook(record) for module in attention]
-        try:
-            for req in reqs:
-                req.page_ids = runner.allocator.alloc(runner.allocator.pages_needed(req.num_tokens))
-                req.req_pool_idx = runner.req_to_token_pool.alloc()
-            runner.forward(runner.prepare_forward_batch_extend(reqs))
-        finally:
-            for handle in handles:
-                handle.remove()
-            for req in reqs:
-                runner.release_kv(req)
+    seen = packed_attention_probs(
+        model, prompts, lambda loaded: [m for m in loaded.modules() if type(m).__name__.endswith("Attention")]
+    )
     for row, prompt in enumerate(prompts):
         with torch.no_grad():
             expected = oracle(torch.tensor([prompt]), output_attentions=True).attentions  # per layer [1, H, T, T]

@@ -2,15 +2,25 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 from transformers.utils import ModelOutput
 
-from conformance.scenarios import Padded
+from conformance.scenarios import SCENARIOS, Padded
 from tolerance import assert_close_packed
 
 REL = 1e-4  # of each value's magnitude: nnrun's packed forward sums in another order than HF's padded one
+
+
+def assert_scenario_same(name: str, oracle: Any, ours: Any, tokenizer: Any) -> None:
+    """Run scenario `name` on nnsight-on-HF and on nnrun (nnsight's warnings silenced); its saves must agree."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = SCENARIOS[name](oracle, tokenizer)
+        actual = SCENARIOS[name](ours, tokenizer)
+    assert_same(expected, actual, name)
 
 
 def assert_same(expected: Any, actual: Any, where: str = "") -> None:

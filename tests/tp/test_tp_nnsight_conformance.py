@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from conformance.compare import assert_same
+from conformance.compare import assert_same, assert_scenario_same
 from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer, twin
 from conformance.scenarios import SCENARIOS
 from interleaver.tp_fragments import SplitValueError
@@ -42,11 +42,7 @@ REFUSED = {
 @pytest.mark.parametrize("name", sorted(set(SCENARIOS) - set(REFUSED)))
 def test_scenario_matches_nnsight_on_hf(models, name):
     oracle, ours, tokenizer = models
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        expected = SCENARIOS[name](oracle, tokenizer)
-        actual = SCENARIOS[name](ours, tokenizer)
-    assert_same(expected, actual, name)
+    assert_scenario_same(name, oracle, ours, tokenizer)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
