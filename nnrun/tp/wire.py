@@ -105,6 +105,7 @@ class ShippedRequest:
 
     page_ids: list[int]
     extra_args: dict
+    request_id: str = ""  # not sent: a plain step's rows are anonymous on the ranks (runners look ids up and find none)
 
 
 def decode_step(message: bytes, page_size: int) -> ForwardBatch:

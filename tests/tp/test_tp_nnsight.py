@@ -172,3 +172,12 @@ def test_a_killed_rank_fails_a_waiting_trace_within_its_timeout():
         assert time.monotonic() - start < 30
     finally:
         model.shutdown()
+
+
+def test_untraced_generation_beside_traces_gives_one_rank_tokens(tp2):
+    # Plain steps on the nnsight ranks (no block in them): the rank path without any intervention.
+    one = nnrun.LanguageModel("tiny-facts")
+    try:
+        assert torch.equal(tp2.generate(A, max_new_tokens=5), one.generate(A, max_new_tokens=5))
+    finally:
+        one.shutdown()
