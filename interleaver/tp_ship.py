@@ -24,7 +24,6 @@ from nnsight.intervention import serialization
 from nnsight.intervention.eproperty import eproperty
 
 from interleaver.jobs import Invocation, TraceJob
-from nnrun.forward_batch import OUTPUT_ATTENTIONS_ARG
 from nnrun.request import Request
 from nnrun.sampling_params import SamplingParams
 
@@ -83,11 +82,6 @@ def refuse_on_ranks(job: TraceJob) -> None:
             "gradients (.grad, .backward(), retain_grad()) are not served on tensor-parallel ranks yet: a backward "
             "through the ranks' gathered values does not reach the same collectives on every rank. Run this trace "
             "with tensor_parallel_size=1"
-        )
-    if any(req.extra_args.get(OUTPUT_ATTENTIONS_ARG) for req in job.requests.values()):
-        raise NotImplementedError(
-            "output_attentions=True is not served on tensor-parallel ranks yet: each rank computes the attention "
-            "probabilities of its own heads only. Run this trace with tensor_parallel_size=1"
         )
 
 

@@ -45,6 +45,7 @@ class ModelRunner(KVPoolSetup):
     """Runs the unmodified HF module tree over one flat packed batch per step."""
 
     captures_on_ranks = False  # extraction hooks this process's modules (tensor-parallel runners: the ranks')
+    gather_heads = None  # a tensor-parallel rank's all-gather of attention probabilities over the heads
 
     attn_implementation: str = ATTN_IMPLEMENTATION  # the name the model's config keeps for its attention (load_model)
 
@@ -260,7 +261,9 @@ class ModelRunner(KVPoolSetup):
             return self.graph_runner.replay(forward_batch)  # [B, V]: a decode step keeps every row
         backend = self.attention_backend_for(forward_batch)
         backend.init_forward_metadata(forward_batch)
-        probs_plan = AttentionProbsPlan.for_batch(forward_batch, self.device)  # None unless a request asked
+        probs_plan = AttentionProbsPlan.for_batch(
+            forward_batch, self.device, self.gather_heads
+        )  # None unless a request asked
         position_ids = forward_batch.positions.to(self.device)[None]  # [1, N]
         logits_indices = forward_batch.logits_indices.to(self.device)  # [R]
         with (

@@ -17,6 +17,7 @@ keys from `max(0, prefix_len - window + 1)` on. So a generation step's shape is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -87,9 +88,16 @@ class AttentionProbsPlan:
     """The step's requests that asked, with where their queries and keys are; built once per step."""
 
     requests: list[_AskingRequest]
+    # On a tensor-parallel rank, which holds only its share of the heads: `[1, Hq_local, n, L]` -> `[1, Hq, n, L]`.
+    gather_heads: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
-    def for_batch(cls, forward_batch: ForwardBatch, device: torch.device) -> AttentionProbsPlan | None:
+    def for_batch(
+        cls,
+        forward_batch: ForwardBatch,
+        device: torch.device,
+        gather_heads: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> AttentionProbsPlan | None:
         """None when no request of the step asked (the common case: nothing is computed)."""
         rows = forward_batch.attention_probs_rows
         if not rows:
@@ -104,7 +112,8 @@ class AttentionProbsPlan:
                     forward_batch.kv_slots[row].to(device),
                 )
                 for row in rows
-            ]
+            ],
+            gather_heads,
         )
 
     def compute(
@@ -134,6 +143,8 @@ class AttentionProbsPlan:
                 sinks,
                 alibi,
             )
+            if self.gather_heads is not None:
+                by_row[req.row] = self.gather_heads(by_row[req.row])
         return AttentionProbs(by_row)
 
 

@@ -83,6 +83,13 @@ class ShardRunner(ModelRunner):
         )
         super().load_model()  # every rank runs the same load-time probes in step: their collectives pair up
 
+    @staticmethod
+    def gather_heads(probs: torch.Tensor) -> torch.Tensor:
+        """Attention probabilities `[1, Hq_local, n, L]` of every rank, in rank (head) order: `[1, Hq, n, L]`."""
+        pieces = [torch.empty_like(probs) for _ in range(dist.get_world_size())]
+        dist.all_gather(pieces, probs.contiguous())
+        return torch.cat(pieces, dim=1)
+
     def tp_plan_overrides(self) -> dict[str, str] | None:
         """Entries that replace the model's own TP plan for these ranks (None: the plan as published)."""
         return None

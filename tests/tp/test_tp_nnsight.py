@@ -129,15 +129,30 @@ def test_a_block_that_raises_ends_only_its_own_trace(tp2, oracle):
     assert torch.equal(_patching(tp2)["patched"], outcome["values"]["patched"])
 
 
-def test_gradients_and_attention_probabilities_are_refused_by_name(tp2):
+def test_gradients_are_refused_by_name(tp2):
     with pytest.raises(NotImplementedError, match="gradients .* not served on tensor-parallel ranks"):
         with tp2.trace(A):
             hidden = tp2.model.layers[1].output
             hidden.retain_grad()
             tp2.lm_head.output.sum().backward()
-    with pytest.raises(NotImplementedError, match="output_attentions=True is not served on tensor-parallel ranks"):
-        with tp2.trace(A, output_attentions=True):
-            tp2.model.layers[0].self_attn.output[1].save()
+
+
+def test_attention_probabilities_have_every_head_as_on_one_rank(tp2):
+    # One rank's probabilities are HF eager's (tests/test_attention_patterns.py); two ranks gather their heads.
+    one = nnrun.LanguageModel("tiny-facts")
+    try:
+        probs = []
+        for model in (tp2, one):
+            with model.trace() as tracer:
+                with tracer.invoke(A, output_attentions=True):
+                    first = model.model.layers[0].self_attn.output[1].save()
+                with tracer.invoke(B):  # asks for none: its requests' rows cost nothing
+                    model.model.layers[0].self_attn.output.save()
+            probs.append(first)
+        assert probs[0].shape == probs[1].shape == (1, 4, 6, 6)
+        assert_close_packed(probs[0], probs[1], msg="layer 0 probabilities")
+    finally:
+        one.shutdown()
 
 
 def test_vllm_spelling_runs_on_ranks():
