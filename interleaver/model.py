@@ -296,11 +296,15 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         if job.streamer is not None:  # fed on this thread, never the engine's (see interleaver/streaming.py)
             feed = StreamerFeed(job.streamer, [r.prompt_token_ids for r in job.requests.values()], job.pad_token_id)
             feed.begin()
-        if getattr(self.engine.runner, "ships_jobs", False):  # serialized here, where its saves are known
+        self._ship_to_ranks(job)
+        run_trace_job(self.engine, job, feed=feed)
+
+    def _ship_to_ranks(self, job: TraceJob) -> None:
+        """On tensor-parallel ranks, serialize the job here, on the caller's thread, where its saves are known."""
+        if getattr(self.engine.runner, "ships_jobs", False):
             refuse_on_ranks(job)
             job.pushes_every_name = getattr(tracing_thread_state, "depth", 0) > 1  # inside a session
             job.shipped = ship_job(job, type(self))
-        run_trace_job(self.engine, job, feed=feed)
 
     def _generate_plain(self, inputs: tuple, kwargs: dict) -> torch.Tensor:
         if self._edits:  # the edits run as blocks, so the prompts go through a trace's job

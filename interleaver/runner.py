@@ -106,6 +106,10 @@ class NNsightGPUModelRunner(ModelRunner):
         return self.process_logits(logits, forward_batch)
 
     # ---- blocks on the engine thread (what a server's watchdogs read and end) -------------
+    def num_live_blocks(self) -> int:
+        """Blocks of traces in flight (started or not), for monitoring."""
+        return len(self.nnsight_requests.live)
+
     def running_block(self) -> Any | None:
         """The mediator whose block the engine thread is running right now, or None between blocks."""
         return self.interleaver.running_blocks.innermost()

@@ -111,6 +111,9 @@ class TensorParallelNNsightRunner(TensorParallelRunner):
         return payloads
 
     # ---- blocks: they run on the ranks, never on this process's threads ------------------------
+    def num_live_blocks(self) -> int:
+        return sum(not inv.is_finished for job in self.jobs.values() for inv in job.invocations)
+
     def running_block(self) -> Any | None:
         return None
 

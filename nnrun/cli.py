@@ -32,7 +32,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
             type=int,
             default=1,
             metavar="N",
-            help="ranks that share the model (served by extract; serve takes only 1 so far)",
+            help="ranks that share the model (tensor parallelism; default 1)",
         )
     return parser
 
@@ -45,12 +45,6 @@ def refuse_tensor_parallel(args: argparse.Namespace) -> str | None:
         return (
             f"--tensor-parallel-size {args.tensor_parallel_size} with --ray: engines of several ranks on Ray are "
             "not built yet; run the job without --ray (one engine over N local ranks), or on Ray with 1"
-        )
-    if args.tensor_parallel_size > 1 and args.command != "extract":
-        return (
-            f"--tensor-parallel-size {args.tensor_parallel_size}: nnrun {args.command} does not run on "
-            "tensor-parallel ranks yet (nnrun extract, nnrun.LLM and nnrun.LanguageModel do); "
-            "run it with --tensor-parallel-size 1"
         )
     return None
 

@@ -182,6 +182,10 @@ class ModelRunner(KVPoolSetup):
         """The backend that serves this step; subclasses may pick the torch one (e.g. for autograd)."""
         return self.attn_backend
 
+    def failure(self) -> BaseException | None:
+        """Why this runner can no longer run steps, or None (a tensor-parallel group can fail for good)."""
+        return None
+
     def shutdown(self) -> None:
         """Free the pools; called on the engine thread as it ends (by `LLM.shutdown` if none ran)."""
         self.graph_runner = None

@@ -4,7 +4,9 @@ The settings are checked before the model loads (a non-loopback host without a k
 at once); the engine is loaded before the port opens, so `/health` answers only once it is up.
 SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight finish (up to
 --drain-timeout seconds; those still running then are ended with an error), shuts the engine
-down and exits 0 (`nnrun.serve.drain`).
+down and exits 0 (`nnrun.serve.drain`). With --tensor-parallel-size N the model runs on N rank
+processes; if one dies or hangs, /health answers 503 with why and the server exits with status 3,
+so a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,13 @@ import gc
 import logging
 import os
 import sys
+import threading
+import time
+from typing import Any
 
 from nnrun.serve.config import DEFAULT_PORT, ServeConfig
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _ENGINE_INTS = ("max_num_seqs", "max_total_tokens", "max_model_len", "max_num_batched_tokens", "page_size")
@@ -125,6 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace) -> ServeConfig:
     engine_kwargs = {name: getattr(args, name) for name in _ENGINE_INTS if getattr(args, name) is not None}
+    if args.tensor_parallel_size > 1:
+        engine_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     engine_kwargs.update(
         device=args.device,
         dtype=None if args.dtype == "auto" else args.dtype,
@@ -163,6 +172,25 @@ def _freeze_startup_objects() -> None:
     gc.freeze()
 
 
+ENGINE_WATCH_S = 0.5  # how often the server looks for an engine that can no longer run steps
+FAILED_ENGINE_EXIT_STATUS = 3
+FAILED_ENGINE_GRACE_S = 2.0  # /health answers 503 with the reason this long before the process exits
+
+
+def exit_when_engine_fails(model: Any) -> None:
+    """A tensor-parallel group that failed (a rank died or hung) never recovers: exit non-zero, so a
+    supervisor restarts the server, after /health has said why for a moment."""
+
+    def watch() -> None:
+        while (failure := model.engine.runner.failure()) is None:
+            time.sleep(ENGINE_WATCH_S)
+        logger.error("nnrun serve: the engine cannot run steps any more (%s); exiting so it can be restarted", failure)
+        time.sleep(FAILED_ENGINE_GRACE_S)
+        os._exit(FAILED_ENGINE_EXIT_STATUS)
+
+    threading.Thread(target=watch, name="nnrun-serve-engine-watch", daemon=True).start()
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
@@ -185,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
     )
     drain = Drain()
     app = create_app(config, model, drain)
+    exit_when_engine_fails(model)
     _freeze_startup_objects()
     server = DrainingServer(
         uvicorn.Config(

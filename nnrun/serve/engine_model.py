@@ -104,7 +104,7 @@ class ServedLanguageModel(LanguageModel):
         runner = self.engine.runner
         return {
             "requests_in_flight": self.engine.num_requests_in_flight,
-            "blocks_live": len(runner.nnsight_requests.live),
+            "blocks_live": runner.num_live_blocks(),
             "kv_pages_used": runner.allocator.num_pages - runner.allocator.num_free_pages,
             "edits_installed": len(self.registry.active()),
             "edits_failed": self.registry.failures(),  # taken off the server (an edit that held the engine)
@@ -201,6 +201,7 @@ class ServedLanguageModel(LanguageModel):
             detach_registered(job)
             return
         limits.request_ids = list(job.requests)
+        self._ship_to_ranks(job)
         watch = BlockWatch(self.engine.runner, [inv.mediator for inv in job.invocations])
         try:
             run_trace_job(

@@ -53,6 +53,11 @@ class Registry:
 
     def register(self, registration_id: str, payload: bytes, name: str | None, model: Any) -> Registration:
         """Install (or replace) the block in `payload` under `registration_id`."""
+        if getattr(model.engine.runner, "ships_jobs", False):
+            raise PayloadError(
+                "registered edits are not served on tensor-parallel ranks yet (a registration rides every "
+                "request, and this server's blocks run on its ranks); run `nnrun serve` with --tensor-parallel-size 1"
+            )
         try:
             template = ServerObjects(io.BytesIO(payload), model).load()
         except PayloadError:

@@ -38,6 +38,9 @@ class ServeState:
         """The engine's model, or 503 while the server shuts down."""
         if self.model is None or self.is_stopping:
             raise HTTPException(status_code=503, detail="the engine is not serving (starting or shutting down)")
+        failure = self.model.engine.runner.failure()
+        if failure is not None:
+            raise HTTPException(status_code=503, detail=f"the engine cannot run steps any more: {failure}")
         return self.model
 
     def check_deadlines(self, deadline: float) -> None:

@@ -48,6 +48,7 @@ class RankGroup:
         self.world_size = parallel.tensor_parallel_size
         self.step_timeout_s = parallel.tensor_parallel_timeout
         self._error: TensorParallelError | None = None
+        self.failure: TensorParallelError | None = None  # why the group failed (a rank died, hung or raised)
         self._lock = threading.RLock()  # stop() may come from another thread than the steps
         self._store = dist.TCPStore(
             "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=self.step_timeout_s)
@@ -241,6 +242,7 @@ class RankGroup:
         with self._lock:
             if self._error is None:
                 self._error = error
+                self.failure = error
             for process in self.processes:  # the survivors may sit in a collective that waits for the dead
                 if process.is_alive():
                     process.kill()

@@ -116,6 +116,10 @@ class TensorParallelRunner(ModelRunner):
             return SamplerOutput(logits_output.token_ids, None, None, None)
         return super().sample(logits_output, forward_batch)
 
+    def failure(self) -> BaseException | None:
+        """Why the ranks can no longer run steps (a rank died, hung or raised), or None."""
+        return None if self.group is None else self.group.failure
+
     def run_model(self, forward_batch: ForwardBatch) -> torch.Tensor:
         return self.group.run_step(wire.encode_step(forward_batch, self.allocator.page_size))
 

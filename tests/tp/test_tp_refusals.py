@@ -57,11 +57,6 @@ def test_a_runner_without_a_tensor_parallel_front_end_is_refused_by_name():
         LLM("tiny-facts", tensor_parallel_size=2, runner_cls=NNsightGPUModelRunner)
 
 
-def test_serve_refuses_tensor_parallel_by_name(capsys):
-    assert cli_main(["serve", "tiny-facts", "--tensor-parallel-size", "2"]) == 2
-    assert "nnrun serve does not run on tensor-parallel ranks yet" in capsys.readouterr().err
-
-
 def test_extract_on_ray_refuses_engines_of_several_ranks_by_name(capsys):
     command = ["extract", "--model", "tiny-facts", "--out", "x", "--ray", "--tensor-parallel-size", "2"]
     assert cli_main(command) == 2
