@@ -58,3 +58,42 @@ def test_two_ranks_match_one_rank_and_plain_hf(family, tmp_path):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         prompt_lps = torch.tensor([entry[token] for entry, token in zip(a.prompt_logprobs[1:], ids[1:])])
         torch.testing.assert_close(prompt_lps, oracle, rtol=RTOL, atol=ATOL)
+
+
+def _trace(model, edit: bool) -> dict:
+    """Reads of the residual stream and an MLP (MoE block) output, and an edit in the second invoke."""
+    with model.trace() as tracer:
+        with tracer.invoke([PROMPTS[0]]):
+            hidden = model.model.layers[0].output[:, -1].save()
+            mlp = model.model.layers[1].mlp.output[:, -1].save()
+        with tracer.invoke([PROMPTS[1]]):
+            if edit:
+                model.model.layers[0].output[:, -1] *= 0.5
+            logits = model.lm_head.output[:, -1].save()
+    return {"hidden": hidden, "mlp": mlp, "logits": logits}
+
+
+@pytest.mark.parametrize("family", list(BUILDERS))
+def test_traces_on_two_ranks_match_one_rank_and_plain_hf(family, tmp_path):
+    import nnrun
+    from tolerance import assert_close_packed
+
+    hf = BUILDERS[family]()
+    hf.set_attn_implementation("sdpa")
+    hf.save_pretrained(tmp_path)
+    with torch.no_grad():  # plain HF: the first layer's output at the first prompt's last position
+        expected_hidden = hf(torch.tensor([PROMPTS[0]]), output_hidden_states=True).hidden_states[1][:, -1]
+    tp2 = nnrun.LanguageModel(str(tmp_path), tensor_parallel_size=2, tensor_parallel_timeout=60)
+    try:
+        ours = _trace(tp2, edit=True)
+    finally:
+        tp2.shutdown()
+    one = nnrun.LanguageModel(str(tmp_path))
+    try:
+        theirs = _trace(one, edit=True)
+    finally:
+        one.shutdown()
+    assert_close_packed(ours["hidden"], expected_hidden, msg=f"{family}: layer 0 vs plain HF")
+    for name in theirs:
+        assert ours[name].shape == theirs[name].shape, name
+        assert_close_packed(ours[name], theirs[name], msg=f"{family}: {name} vs one rank")
