@@ -149,8 +149,9 @@ def _run_job(args: argparse.Namespace) -> int:
     }
     if args.batch_tokens is not None:
         llm_kwargs["max_num_batched_tokens"] = args.batch_tokens
-    if args.tensor_parallel_size > 1:
-        llm_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    tp_size = getattr(args, "tensor_parallel_size", 1)  # added to every subcommand by nnrun.cli
+    if tp_size > 1:
+        llm_kwargs["tensor_parallel_size"] = tp_size
     try:
         summary = extract(
             args.model,

@@ -132,8 +132,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_config(args: argparse.Namespace) -> ServeConfig:
     engine_kwargs = {name: getattr(args, name) for name in _ENGINE_INTS if getattr(args, name) is not None}
-    if args.tensor_parallel_size > 1:
-        engine_kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    tp_size = getattr(args, "tensor_parallel_size", 1)  # added to every subcommand by nnrun.cli
+    if tp_size > 1:
+        engine_kwargs["tensor_parallel_size"] = tp_size
     engine_kwargs.update(
         device=args.device,
         dtype=None if args.dtype == "auto" else args.dtype,
