@@ -75,31 +75,37 @@ class NNsightShardRunner(NNsightGPUModelRunner, ShardRunner):
         (an AssertionError in torch's reduction). Kept whole, `embed_tokens.output` is HF's tensor on
         every rank, at the cost of one embedding table per rank (and, with tied weights, the whole head).
         """
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        model_config = self.config.model
-        config = AutoConfig.from_pretrained(
-            model_config.model, revision=model_config.revision, trust_remote_code=model_config.trust_remote_code
-        )
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(
-                config, dtype=self.config.device.torch_dtype, trust_remote_code=model_config.trust_remote_code
-            )
-        skeleton.set_attn_implementation(ATTN_IMPLEMENTATION)
-        self.skeleton = skeleton.eval()  # the whole model, no weights: what each module's values look like unsplit
+        skeleton = self._skeleton()
         embedding, head = skeleton.get_input_embeddings(), skeleton.get_output_embeddings()
         whole = [embedding]
         if head is not None and getattr(head, "weight", None) is embedding.weight:
             whole.append(head)  # tied: one table, so the head is whole too (each rank computes every logit)
         return {name: "replicated_with_grad_allreduce" for name, module in skeleton.named_modules() if module in whole}
 
+    def _skeleton(self) -> torch.nn.Module:
+        """The whole model on the meta device, no weights: what each module's values look like unsplit (built once)."""
+        if getattr(self, "skeleton", None) is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            model_config = self.config.model
+            config = AutoConfig.from_pretrained(
+                model_config.model, revision=model_config.revision, trust_remote_code=model_config.trust_remote_code
+            )
+            with torch.device("meta"):
+                skeleton = AutoModelForCausalLM.from_config(
+                    config, dtype=self.config.device.torch_dtype, trust_remote_code=model_config.trust_remote_code
+                )
+            skeleton.set_attn_implementation(ATTN_IMPLEMENTATION)
+            self.skeleton = skeleton.eval()
+        return self.skeleton
+
     def load_model(self) -> None:
         super().load_model()
         add_generator(self.nnsight_model)  # blocks reach `model.generator` on the rank's tree
         fragments = self.interleaver.fragments
         fragments.interleaver = self.interleaver
-        fragments.learn_split_values(self.model, self.skeleton)
-        del self.skeleton
+        fragments.learn_split_values(self.model, self._skeleton())
+        self.skeleton = None  # only needed at load
         self.rank_envoys = RankEnvoys(self.nnsight_model)
         self.mirrors: dict[str, Request] = {}  # request id -> this rank's copy of a traced request
 
