@@ -109,10 +109,9 @@ class NNsightShardRunner(NNsightGPUModelRunner, ShardRunner):
         self.rank_envoys = RankEnvoys(self.nnsight_model)
         self.mirrors: dict[str, Request] = {}  # request id -> this rank's copy of a traced request
 
-    def serve_exchange(self, payload: bytes) -> bytes | None:
-        message = pickle.loads(payload)
+    def serve_exchange(self, message: dict) -> bytes | None:
         if message["op"] not in ("step", "finish"):  # an extraction's prefill: the shard runner's own
-            return super().serve_exchange(payload)
+            return super().serve_exchange(message)
         self._receive(message["jobs"])
         if message["op"] == "step":
             answer = self._step(message)

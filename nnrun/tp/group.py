@@ -103,32 +103,27 @@ class RankGroup:
     def run_step(self, message: memoryview) -> torch.Tensor:
         """Send one step to every rank; returns rank 0's answer on the CPU: logits `[R, V]` or token ids `[R]`."""
         self._send_all(message)
-        deadline = time.monotonic() + self.step_timeout_s
-        while True:
-            self._wait_any(list(range(self.world_size)), deadline, "running a step")
-            for rank in range(1, self.world_size):  # only rank 0 answers; another rank speaks only to report an error
-                if self.conns[rank].poll():
-                    self._fail_with_report(self._recv(rank, "running a step"), "running a step")
-            if self.conns[0].poll():
-                header = self._recv(0, "running a step")
-                if wire.message_kind(header) is wire.MessageKind.ERROR:
-                    self._fail_with_report(header, "running a step")
-                return wire.decode_tensor(header, bytearray(self._recv(0, "sending its answer")))
+        header = self._answer_of_rank0("running a step")
+        return wire.decode_tensor(header, bytearray(self._recv(0, "sending its answer")))
 
     def exchange(self, payload: bytes) -> bytes:
         """Send a runner's own message to every rank; returns rank 0's answer (`ShardRunner.serve_exchange`)."""
         self._send_all(wire.encode_exchange(wire.MessageKind.EXCHANGE, payload))
+        return wire.exchange_payload(self._answer_of_rank0("answering an exchange"))
+
+    def _answer_of_rank0(self, doing: str) -> bytes:
+        """Rank 0's next message, within the step timeout; any rank's error (or death) ends the group first."""
         deadline = time.monotonic() + self.step_timeout_s
         while True:
-            self._wait_any(list(range(self.world_size)), deadline, "answering an exchange")
-            for rank in range(1, self.world_size):
+            self._wait_any(list(range(self.world_size)), deadline, doing)
+            for rank in range(1, self.world_size):  # only rank 0 answers; another rank speaks only to report an error
                 if self.conns[rank].poll():
-                    self._fail_with_report(self._recv(rank, "answering an exchange"), "answering an exchange")
+                    self._fail_with_report(self._recv(rank, doing), doing)
             if self.conns[0].poll():
-                message = self._recv(0, "answering an exchange")
+                message = self._recv(0, doing)
                 if wire.message_kind(message) is wire.MessageKind.ERROR:
-                    self._fail_with_report(message, "answering an exchange")
-                return wire.exchange_payload(message)
+                    self._fail_with_report(message, doing)
+                return message
 
     def start_profile(self) -> None:
         """Start timing the ranks' collectives (between steps: the caller holds the runner's step lock)."""

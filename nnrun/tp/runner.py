@@ -43,6 +43,7 @@ class TensorParallelRunner(ModelRunner):
         self.device = torch.device("cpu")  # the front end samples on the CPU; the ranks own the devices
         self.group: RankGroup | None = None
         self.num_steps_sampled_on_rank0 = 0  # steps whose tokens came back as argmaxes, without their logits
+        self._whole_specs: set[tuple] = set()  # extraction specs found whole on the ranks (`refuse_split_values`)
 
     def initialize(self) -> None:
         self.load_model()
@@ -148,7 +149,9 @@ class TensorParallelRunner(ModelRunner):
         self, token_id_lists: list[list[int]], specs: list[ModuleSpec], dtype: torch.dtype
     ) -> tuple[ForwardBatch, dict[str, torch.Tensor]]:
         """One packed prefill on the ranks; each spec's flat `[N, ...]` value from rank 0 (whole values only)."""
-        refuse_split_values(self.model, specs, self.config.parallel.tensor_parallel_size)
+        if tuple(specs) not in self._whole_specs:  # checked once per job's specs, not per batch
+            refuse_split_values(self.model, specs, self.config.parallel.tensor_parallel_size)
+            self._whole_specs.add(tuple(specs))
         with self.step_lock, self._transient_requests(token_id_lists) as reqs:
             forward_batch = self.prepare_forward_batch_extend(reqs)
             forward_batch.logits_indices = torch.zeros(0, dtype=torch.int64)

@@ -116,9 +116,8 @@ class ShardRunner(ModelRunner):
         output.token_ids = token_ids
         return output
 
-    def serve_exchange(self, payload: bytes) -> bytes | None:
-        """A runner's own message from its front end (`RankGroup.exchange`); rank 0's answer goes back."""
-        message = pickle.loads(payload)
+    def serve_exchange(self, message: dict) -> bytes | None:
+        """A runner's own message from its front end (`RankGroup.exchange`, unpickled); rank 0's answer goes back."""
         if message["op"] != "prefill":
             raise ValueError(f"{type(self).__name__} serves no {message['op']!r} exchange")
         return pickle.dumps(self.prefill_capturing(message))
@@ -209,7 +208,7 @@ def _serve_steps(runner: ShardRunner, conn: Connection, rank: int) -> None:
                 conn.send_bytes(wire.encode_report(wire.MessageKind.STATS, stats))
             continue
         if kind is wire.MessageKind.EXCHANGE:
-            answer = runner.serve_exchange(wire.exchange_payload(message))
+            answer = runner.serve_exchange(pickle.loads(wire.exchange_payload(message)))
             if rank == 0:
                 conn.send_bytes(wire.encode_exchange(wire.MessageKind.EXCHANGE_REPLY, answer or b""))
             continue
