@@ -101,9 +101,10 @@ class ModelRunner(KVPoolSetup):
         """
         with self.step_lock:
             self.exact_forward = choose_exact_forward(self, self.packed_unfit)
-        if self.exact_forward is not None:  # HF's own caches hold the states there
-            self.state_pool = None
-        if self.exact_forward is not None and self.layers:  # the probe rejected it: no paged KV is needed
+        if self.exact_forward is None:
+            return
+        self.state_pool = None  # HF's own caches hold the states there
+        if self.layers:  # the probe rejected it: no paged KV is needed
             self.layers = []
             self._build_kv_cache(self.allocator.num_pages)
             self.init_attention_backend()
@@ -265,9 +266,8 @@ class ModelRunner(KVPoolSetup):
             return self.graph_runner.replay(forward_batch)  # [B, V]: a decode step keeps every row
         backend = self.attention_backend_for(forward_batch)
         backend.init_forward_metadata(forward_batch)
-        probs_plan = AttentionProbsPlan.for_batch(
-            forward_batch, self.device, self.gather_heads
-        )  # None unless a request asked
+        # None unless a request of the step asked for attention probabilities
+        probs_plan = AttentionProbsPlan.for_batch(forward_batch, self.device, self.gather_heads)
         position_ids = forward_batch.positions.to(self.device)[None]  # [1, N]
         logits_indices = forward_batch.logits_indices.to(self.device)  # [R]
         with (
