@@ -275,6 +275,7 @@ def print_separate(num_clients: int, served: dict, separate: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-facts")
+    parser.add_argument("--device", default="cpu", help="where the server and the in-process model run (clients: CPU)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--traces", type=int, default=50, help="traces per client")
     parser.add_argument("--separate", action="store_true", help="also N processes with their own nnsight+HF model")
@@ -317,11 +318,13 @@ def main() -> None:
             "warning",
             "--max-in-flight",
             str(4 * max(args.clients)),
+            "--device",
+            args.device,
         ],
         cwd=REPO,
     )
     pin(server.pid, cpu_sets(args)[0])  # before it starts its threads: they inherit it
-    local = nnrun.LanguageModel(args.model)
+    local = nnrun.LanguageModel(args.model, device=args.device)
     try:
         deadline = time.monotonic() + args.timeout
         while True:

@@ -72,12 +72,14 @@ PROMPT_A, PROMPT_B = "the eiffel tower is in the city of", "the colosseum is in 
 
 
 def _patching(model):
+    # Positions counted from the end: the prompts differ in length, and nnsight on HF left-pads the
+    # shorter one (its `[:, 2]` is another token than in the prompt's own `[1, T, H]`, which nnrun serves).
     with model.trace() as tracer:
         with tracer.invoke(PROMPT_B):
-            source = model.model.layers[0].output[:, 2].clone()
+            source = model.model.layers[0].output[:, -3].clone()
         with tracer.invoke(PROMPT_A):
             hidden = model.model.layers[0].output
-            hidden[:, 2] = source
+            hidden[:, -3] = source
             layer = model.model.layers[1].output[0].save()  # modules in the order they run
             patched = model.lm_head.output[0, -1].save()
     return patched, layer
@@ -126,3 +128,35 @@ def test_bf16_steered_generation_runs_eagerly_and_matches_nnsight(bf16_models):
     torch.testing.assert_close(
         got_logits.float().log_softmax(-1), want_logits.float().log_softmax(-1), atol=3e-2, rtol=0
     )
+
+
+def test_bf16_patching_error_against_an_fp32_oracle_is_hf_bf16s_own(bf16_models):
+    """Both bf16 sides against nnsight on the same weights in float32: nnrun's error is of HF bf16's order.
+
+    The bf16 comparison above cannot tell rounding from a bug (sdpa and FlashInfer round differently);
+    the float32 oracle can: a wrong value would sit far outside what HF's own bf16 run is off by.
+    """
+    from conformance.models import tiny_tokenizer
+
+    oracle, ours = bf16_models
+    fp32 = hf_language_model(copy.deepcopy(oracle._module).float(), tiny_tokenizer())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        (exact_logits, exact_layer), (hf_logits, hf_layer), (got_logits, got_layer) = (
+            _patching(fp32),
+            _patching(oracle),
+            _patching(ours),
+        )
+    rows = got_layer.shape[0]
+
+    def error(value, exact):
+        return ((value.float() - exact.float()).abs().max() / exact.float().abs().max()).item()
+
+    hf_error, our_error = error(hf_layer[-rows:], exact_layer[-rows:]), error(got_layer[-rows:], exact_layer[-rows:])
+    hf_logit_error, our_logit_error = error(hf_logits, exact_logits), error(got_logits, exact_logits)
+    print(
+        f"layer-1 error vs fp32: HF bf16 {hf_error:.4f}, nnrun bf16 {our_error:.4f}; "
+        f"logits: HF bf16 {hf_logit_error:.4f}, nnrun bf16 {our_logit_error:.4f}"
+    )
+    assert our_error <= 2 * hf_error + 4e-3
+    assert our_logit_error <= 2 * hf_logit_error + 4e-3
