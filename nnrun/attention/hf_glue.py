@@ -58,6 +58,8 @@ def paged_attention_forward(
     sliding_window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
     alibi_slopes = kwargs.get("alibi_slopes")  # given only by nnrun's own classic-family adapters (attention/classic)
     chunk_size = attention_chunk_size(module)
+    picks = kwargs.get("indices")  # DSA sparse attention: [1, N, K] keys each query's indexer picked (attention/indexer)
+    key_indices = None if picks is None else picks[0].long()  # [N, K]
     out = backend.forward(
         module.layer_idx,
         q,
@@ -69,13 +71,14 @@ def paged_attention_forward(
         sinks=sinks,
         chunk_size=chunk_size,
         alibi_slopes=alibi_slopes,
+        key_indices=key_indices,
     )  # [N, Hq, Dv]
     probs_plan = current_probs_plan()
     if probs_plan is None:  # nobody in the step asked: the second output is None, as sdpa's
         return out.unsqueeze(0), None  # [1, N, Hq, Dv]
     # After the backend: it has written this layer's K into the pool, and its output stays as it is.
     probs = probs_plan.compute(
-        backend.kv_pool, module.layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes
+        backend.kv_pool, module.layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes, key_indices
     )
     return out.unsqueeze(0), probs
 
