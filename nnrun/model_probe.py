@@ -28,7 +28,6 @@ class AttentionLayerInfo:
     alibi_slopes: tuple[float, ...] | None = None
     has_key_indices: bool = False  # DSA sparse attention: each query sees only the keys its indexer picked
 
-
     @property
     def has_alibi(self) -> bool:
         return self.alibi_slopes is not None

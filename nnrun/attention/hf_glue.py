@@ -58,7 +58,7 @@ def paged_attention_forward(
     sliding_window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
     alibi_slopes = kwargs.get("alibi_slopes")  # given only by nnrun's own classic-family adapters (attention/classic)
     chunk_size = attention_chunk_size(module)
-    picks = kwargs.get("indices")  # DSA sparse attention: [1, N, K] keys each query's indexer picked (attention/indexer)
+    picks = kwargs.get("indices")  # DSA sparse attention: [1, N, K] the keys each query's indexer picked
     key_indices = None if picks is None else picks[0].long()  # [N, K]
     out = backend.forward(
         module.layer_idx,
@@ -78,7 +78,16 @@ def paged_attention_forward(
         return out.unsqueeze(0), None  # [1, N, Hq, Dv]
     # After the backend: it has written this layer's K into the pool, and its output stays as it is.
     probs = probs_plan.compute(
-        backend.kv_pool, module.layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes, key_indices
+        backend.kv_pool,
+        module.layer_idx,
+        q,
+        scaling,
+        sliding_window,
+        softcap,
+        sinks,
+        chunk_size,
+        alibi_slopes,
+        key_indices,
     )
     return out.unsqueeze(0), probs
 

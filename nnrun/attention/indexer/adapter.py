@@ -100,7 +100,9 @@ def _indexer_forward(
     hf_forward = type(self).forward
     backend, step = current_backend(), current_indexer_step()
     if backend is None:  # a plain call: HF's, as given
-        return hf_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, past_key_values)
+        return hf_forward(
+            self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, past_key_values
+        )
     if step is None:
         if backend.name != PROBE_BACKEND:
             raise RuntimeError(

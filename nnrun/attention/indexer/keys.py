@@ -33,7 +33,6 @@ class IndexerKeyPool:
         self.keys: dict[int, torch.Tensor] = {}  # layer_idx -> [num_slots, D]
         self.zero_slot = 0  # the KV pool's: padding reads it
 
-
     def allocate(self, kv_pool: KVPool) -> None:
         """Rows for every slot of `kv_pool` (replacing those of the pool before it)."""
         num_slots = kv_pool.k_flat(0).shape[0]
@@ -52,4 +51,3 @@ class IndexerKeyPool:
         """The keys at `slots` (any shape `S`): `[*S, D]`."""
         table = self.keys[layer_idx]
         return table.index_select(0, slots.flatten()).view(*slots.shape, table.shape[1])
-
