@@ -109,6 +109,8 @@ def test_family_runs_packed_and_equals_hf_alone(model_type):
             handles = [lm.engine.submit(list(prompt), GREEDY) for prompt in PROMPTS]
         assert [list(h.result().outputs[0].token_ids) for h in handles] == expected_tokens
         assert_all_freed(lm.engine)
+        # Called plainly, outside a step, the loaded model still attends to its picks only (as HF's sdpa).
+        assert_close_packed(hf_logits(model, PROMPTS[1]), hf_logits(oracle, PROMPTS[1]), msg="a plain call")
     finally:
         lm.shutdown()
 
@@ -209,10 +211,10 @@ def test_each_invoke_reads_its_own_picks_and_attention_as_nnsight_on_hf(dsa_pair
     for prompt in (short, long):
         with oracle.trace(torch.tensor([prompt])):  # nnsight on HF, this prompt alone
             theirs.append(read_layer(oracle, 1))
-    for prompt, ours, theirs in zip((short, long), ours, theirs):
-        assert torch.equal(ours[0], theirs[0]), f"{len(prompt)} tokens: the indexer's picks"
-        assert_close_packed(ours[1], theirs[1], msg=f"{len(prompt)} tokens: attention output")
-        assert_close_packed(ours[2], theirs[2], msg=f"{len(prompt)} tokens: logits")
+    for prompt, packed, alone in zip((short, long), ours, theirs):
+        assert torch.equal(packed[0], alone[0]), f"{len(prompt)} tokens: the indexer's picks"
+        assert_close_packed(packed[1], alone[1], msg=f"{len(prompt)} tokens: attention output")
+        assert_close_packed(packed[2], alone[2], msg=f"{len(prompt)} tokens: logits")
 
 
 def test_sparse_attention_probabilities_equal_hf_eager(dsa_pair):

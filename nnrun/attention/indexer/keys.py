@@ -23,7 +23,9 @@ class IndexerKeyPool:
     So the KV pool's page tables address both: a request's indexer keys are read through its
     `kv_slots`, written at the step's `out_cache_loc`, and freed with its pages. The rows are
     allocated with each KV pool (`allocate`), in the model's dtype, as HF's cache keeps them; the
-    pool's zero page is never written, so padding that points there reads zeros.
+    pool's zero page is never written, so padding that points there reads zeros. They are not in the
+    KV pool's memory budget: `index_head_dim` values per token and indexer, about 0.3% of DeepSeek-V3.2's
+    expanded MLA keys and values.
     """
 
     def __init__(self, indexers: list[IndexerInfo], dtype: torch.dtype, device: torch.device) -> None:
