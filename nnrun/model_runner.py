@@ -123,7 +123,7 @@ class ModelRunner(KVPoolSetup):
 
     def _build_kv_cache(self, num_pages: int) -> None:
         super()._build_kv_cache(num_pages)
-        if self.indexer_keys is not None:
+        if self.indexer_keys is not None and self.layers:  # without layers (the exact path), HF's cache keeps them
             self.indexer_keys.allocate(self.kv_pool)
 
     def init_attention_backend(self) -> None:

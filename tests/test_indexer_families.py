@@ -169,6 +169,14 @@ def test_deepseek_v4_stays_on_the_exact_path_and_says_why():
     assert reason.startswith("DeepseekV4Indexer is a sparse-attention indexer") and "compressed key blocks" in reason
 
 
+def test_the_exact_path_asked_for_runs_a_dsa_model_with_hf_own_cache():
+    model = indexed_model("hy_v4")
+    expected = [hf_greedy(hf_oracle(model), prompt) for prompt in PROMPTS]
+    with nnrun.LLM(model, forward_path="exact", max_num_seqs=4, max_model_len=64, page_size=4) as llm:
+        assert llm.runner.exact_forward is not None and llm.runner.indexer_keys is None
+        assert [list(o.outputs[0].token_ids) for o in llm.generate([list(p) for p in PROMPTS], GREEDY)] == expected
+
+
 def test_flashinfer_leaves_layers_attending_to_picks_to_the_torch_backend():
     from nnrun.memory import LayerKVShape
     from nnrun.model_probe import AttentionLayerInfo

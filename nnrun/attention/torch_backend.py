@@ -53,7 +53,9 @@ class TorchAttnBackend(AttentionBackend):
     bottom-right aligned), as HF's padded batch would for equal prompts; decode steps gather every
     request's KV into one padded batch. Softmax runs in float32 when a softcap or attention sinks
     or ALiBi slopes are present (as HF's eager path does); otherwise torch's SDPA kernel does the
-    work. Sliding windows, attention chunks and ALiBi biases apply per request, at its own positions.
+    work. Sliding windows, attention chunks and ALiBi biases apply per request, at its own positions,
+    and so do DSA sparse attention's picks (`key_indices`): a query sees only the causal keys its
+    indexer picked.
     """
 
     name = "torch"
