@@ -8,6 +8,7 @@ import torch
 
 from nnrun.attention.base import AttentionBackend
 from nnrun.attention.context import forward_context
+from nnrun.attention.indexer import unserved_indexers
 from nnrun.memory import LayerKVShape
 
 
@@ -25,6 +26,7 @@ class AttentionLayerInfo:
     chunk_size: int | None = None  # chunked attention (Llama 4): a query sees only keys of its own chunk
     # ALiBi (Bloom, MPT, Falcon): per query head, `slope * (key_pos - query_pos)` joins each scaled score
     alibi_slopes: tuple[float, ...] | None = None
+    has_key_indices: bool = False  # DSA sparse attention: each query sees only the keys its indexer picked
 
     @property
     def has_alibi(self) -> bool:
@@ -43,7 +45,18 @@ class _ProbeBackend(AttentionBackend):
         pass
 
     def forward(
-        self, layer_idx, q, k, v, scaling, sliding_window, softcap, sinks=None, chunk_size=None, alibi_slopes=None
+        self,
+        layer_idx,
+        q,
+        k,
+        v,
+        scaling,
+        sliding_window,
+        softcap,
+        sinks=None,
+        chunk_size=None,
+        alibi_slopes=None,
+        key_indices=None,
     ):
         shape = LayerKVShape(num_kv_heads=k.shape[1], head_dim=k.shape[2], v_head_dim=v.shape[2])
         self.calls.append(
@@ -57,6 +70,7 @@ class _ProbeBackend(AttentionBackend):
                 sinks is not None,
                 chunk_size,
                 None if alibi_slopes is None else tuple(alibi_slopes.float().tolist()),
+                key_indices is not None,
             )
         )
         return q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
@@ -92,18 +106,18 @@ def probe_attention_layers(
 
 
 def refuse_sparse_attention_indexers(model: torch.nn.Module) -> None:
-    """DeepSeek-V3.2-style sparse attention: the packed path cannot serve it, and says so by name.
+    """Sparse attention the packed path cannot serve, refused by name.
 
-    Its indexer picks each query's top-k keys from a key cache of its own, under the attention
-    mask; a packed step gives it neither (no HF cache, no mask), and the paged attention would not
-    restrict a query to the picked keys.
+    DSA indexers (DeepSeek-V3.2's and its kin) run per request (nnrun/attention/indexer, adapted at
+    load). Any other indexer picks keys its own way; DeepSeek-V4's scores compressed blocks of keys
+    that a compressor builds, with state carried between forwards, which no packed step keeps.
     """
-    names = {type(module).__name__ for module in model.modules()}
-    indexers = sorted(name for name in names if name.endswith("Indexer"))
-    if indexers:
+    unserved = unserved_indexers(model)
+    if unserved:
         raise ValueError(
-            f"{indexers[0]} is a sparse-attention indexer (top-k keys per query from its own key cache, "
-            "under the attention mask), which the packed path does not run"
+            f"{unserved[0]} is a sparse-attention indexer that does not pick from per-token keys of its own "
+            "(DeepSeek-V4's scores compressed key blocks, with compressor state kept between forwards), "
+            "which the packed path does not run"
         )
 
 

@@ -14,6 +14,7 @@ from torch.nn.modules import module as nn_module
 
 from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBackend, forward_context, hf_masks_skipped
 from nnrun.attention.classic import adapt_classic_attention
+from nnrun.attention.indexer import IndexerKeyPool, adapt_indexers, serve_indexers
 from nnrun.attention.probabilities import AttentionProbsPlan
 from nnrun.attention.selection import create_attention_backend
 from nnrun.config import EngineConfig
@@ -50,6 +51,7 @@ class ModelRunner(KVPoolSetup):
     attn_implementation: str = ATTN_IMPLEMENTATION  # the name the model's config keeps for its attention (load_model)
 
     state_pool: StatePool | None = None  # per-request recurrent state of mixer layers (nnrun/state), if any
+    indexer_keys: IndexerKeyPool | None = None  # sparse-attention indexers' keys, beside the KV (attention/indexer)
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -80,6 +82,9 @@ class ModelRunner(KVPoolSetup):
         # Mixer layers (state-space, linear attention) run per request on a state pool row beside each request's KV.
         self.state_pool = state_pool_for(self.model, self.config.scheduler.max_num_seqs + 1, self.device)
         adapt_classic_attention(self.model)  # families whose attention is their own code (GPT-J, Bloom, ...)
+        # DSA sparse attention (DeepSeek-V3.2 and kin): each request's indexer picks from its own keys, kept paged
+        indexers = adapt_indexers(self.model)
+        self.indexer_keys = IndexerKeyPool(indexers, self.dtype, self.device) if indexers else None
         self.layers: list[AttentionLayerInfo] = []
         # Why the packed path cannot serve this model, known before any packed step runs (None: ask the probe).
         self.packed_unfit: str | None = (
@@ -103,7 +108,7 @@ class ModelRunner(KVPoolSetup):
             self.exact_forward = choose_exact_forward(self, self.packed_unfit)
         if self.exact_forward is None:
             return
-        self.state_pool = None  # HF's own caches hold the states there
+        self.state_pool = self.indexer_keys = None  # HF's own caches hold the states and indexer keys there
         if self.layers:  # the probe rejected it: no paged KV is needed
             self.layers = []
             self._build_kv_cache(self.allocator.num_pages)
@@ -115,6 +120,11 @@ class ModelRunner(KVPoolSetup):
             return [reqs]
         self.exact_forward.forget_released()  # preempted since the last step: their HF caches go with their pages
         return [[req] for req in reqs]
+
+    def _build_kv_cache(self, num_pages: int) -> None:
+        super()._build_kv_cache(num_pages)
+        if self.indexer_keys is not None and self.layers:  # without layers (the exact path), HF's cache keeps them
+            self.indexer_keys.allocate(self.kv_pool)
 
     def init_attention_backend(self) -> None:
         self.attn_backend: AttentionBackend = create_attention_backend(
@@ -275,6 +285,7 @@ class ModelRunner(KVPoolSetup):
             hf_masks_skipped(self.model),
             self.grad_context(forward_batch),
             serve_states(self.state_pool, forward_batch),
+            serve_indexers(self.indexer_keys, forward_batch, self.device),
         ):
             output = self.model(
                 input_ids=forward_batch.input_ids.to(self.device)[None],

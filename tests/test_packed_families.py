@@ -370,12 +370,11 @@ def test_models_honouring_logits_to_keep_are_not_sliced_again():
 # ---- sparse-attention indexers ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v32", "glm_moe_dsa"])
-def test_sparse_attention_indexers_are_refused_by_name_on_the_packed_path(model_type):
-    """Their indexer needs the attention mask and its own key cache: the packed probe names it, never crashes."""
+def test_sparse_attention_indexers_not_dsa_shaped_are_refused_by_name_on_the_packed_path():
+    """DeepSeek-V4's indexer scores compressed key blocks (DSA indexers run packed: test_indexer_families.py)."""
     from families.tiny import tiny_model as sweep_tiny_model
 
-    model = sweep_tiny_model(model_type)
+    model = sweep_tiny_model("deepseek_v4")
     model.set_attn_implementation("nnrun_paged")
     with pytest.raises(ValueError, match=r"Indexer is a sparse-attention indexer .* the packed path does not run"):
         probe_attention_layers(model, torch.device("cpu"))

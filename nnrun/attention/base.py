@@ -41,6 +41,9 @@ class AttentionBackend(ABC):
         chunk_size: int | None = None,  # chunked attention: a query sees only keys of its own chunk
         # ALiBi: [Hq] float32 slopes; `slope * (key_pos - query_pos)` joins each scaled logit (Bloom, MPT, Falcon)
         alibi_slopes: torch.Tensor | None = None,
+        # DSA sparse attention: [N, K] int64 request-local positions of each query's picked keys (-1: none);
+        # a query sees only those of its causal keys
+        key_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [N, Hq, Dv]
         ...
 

@@ -2,8 +2,9 @@
 
 That is the attention backend, the step's attention-probabilities plan when some request of the
 step asked for them, the step's per-request positions (the `[1, N]` position ids the model is
-given) for modules that number positions themselves (nnrun/position_adapters.py), and, for a
-model with mixer layers, the step's view of the state pool (nnrun/state). A plain global,
+given) for modules that number positions themselves (nnrun/position_adapters.py), for a
+model with mixer layers, the step's view of the state pool (nnrun/state), and for a model with
+sparse-attention indexers, the step's view of their key pool (nnrun/attention/indexer). A plain global,
 not a ContextVar: nnsight's mediators are greenlets, which start with an empty contextvars context,
 and they may call modules during the forward.
 """
@@ -18,6 +19,7 @@ import torch
 from nnrun.attention.base import AttentionBackend
 
 if TYPE_CHECKING:
+    from nnrun.attention.indexer.step import IndexerStep
     from nnrun.attention.probabilities import AttentionProbsPlan
     from nnrun.state.step import StateStep
 
@@ -25,6 +27,7 @@ _current_backend: AttentionBackend | None = None
 _current_probs_plan: AttentionProbsPlan | None = None
 _current_position_ids: torch.Tensor | None = None
 _current_state_step: StateStep | None = None
+_current_indexer_step: IndexerStep | None = None
 
 
 @contextmanager
@@ -67,3 +70,18 @@ def state_step_context(step: StateStep) -> Iterator[None]:
 def current_state_step() -> StateStep | None:
     """The running packed step's view of the state pool, or None outside one (mixers then run as HF's)."""
     return _current_state_step
+
+
+@contextmanager
+def indexer_step_context(step: IndexerStep) -> Iterator[None]:
+    global _current_indexer_step
+    previous, _current_indexer_step = _current_indexer_step, step
+    try:
+        yield
+    finally:
+        _current_indexer_step = previous
+
+
+def current_indexer_step() -> IndexerStep | None:
+    """The running packed step's view of the indexer key pool, or None outside one."""
+    return _current_indexer_step

@@ -219,8 +219,21 @@ class FlashInferAttnBackend(AttentionBackend):
         self.metadata = _StepMetadata(out_cache_loc, ForwardMode.DECODE, wrappers)
 
     def forward(
-        self, layer_idx, q, k, v, scaling, sliding_window, softcap, sinks=None, chunk_size=None, alibi_slopes=None
+        self,
+        layer_idx,
+        q,
+        k,
+        v,
+        scaling,
+        sliding_window,
+        softcap,
+        sinks=None,
+        chunk_size=None,
+        alibi_slopes=None,
+        key_indices=None,
     ):
+        if key_indices is not None:  # `flashinfer_unplanned_features` keeps such models off this backend
+            raise RuntimeError(f"layer {layer_idx} attends to its indexer's picks, which FlashInfer's plans cannot")
         if (alibi_slopes is not None) != (layer_idx in self.alibi_layers):
             raise RuntimeError(
                 f"layer {layer_idx} attends {'with' if alibi_slopes is not None else 'without'} ALiBi "

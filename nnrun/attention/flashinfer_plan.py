@@ -233,7 +233,8 @@ def flashinfer_unplanned_features(layers: list, page_size: int | None) -> str | 
     when a softcap is set: no family has both, and nnrun does not plan them together. Chunked
     attention is planned as one request per chunk, which needs chunks made of whole KV pages.
     FlashInfer's ALIBI mode takes no slopes from the caller: only layers whose slopes are its
-    built-in ones (Bloom's and MPT's are; Falcon's are not) can use it.
+    built-in ones (Bloom's and MPT's are; Falcon's are not) can use it. DSA sparse attention's
+    per-query key picks (DeepSeek-V3.2) are not planned: those models run on the torch backend.
     """
     other_slopes = [
         layer.layer_idx
@@ -244,6 +245,12 @@ def flashinfer_unplanned_features(layers: list, page_size: int | None) -> str | 
         return (
             f"layers {other_slopes} have ALiBi slopes other than FlashInfer's built-in ones (Falcon divides "
             "them by sqrt(head_dim)), the only ones its ALIBI mode applies"
+        )
+    sparse_layers = [layer.layer_idx for layer in layers if getattr(layer, "has_key_indices", False)]
+    if sparse_layers:
+        return (
+            f"layers {sparse_layers} attend only to the keys their sparse-attention indexer picks per query, "
+            "which nnrun's FlashInfer backend does not plan"
         )
     capped_sink_layers = [layer.layer_idx for layer in layers if layer.has_sinks and layer.softcap is not None]
     if capped_sink_layers:

@@ -18,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from nnrun.attention.context import current_backend, current_position_ids, current_probs_plan
+from nnrun.attention.masks import selected_keys
 from nnrun.attention.probabilities import AttentionProbs
 
 ATTN_IMPLEMENTATION = "nnrun_paged"
@@ -58,6 +59,8 @@ def paged_attention_forward(
     sliding_window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
     alibi_slopes = kwargs.get("alibi_slopes")  # given only by nnrun's own classic-family adapters (attention/classic)
     chunk_size = attention_chunk_size(module)
+    picks = kwargs.get("indices")  # DSA sparse attention: [1, N, K] the keys each query's indexer picked
+    key_indices = None if picks is None else picks[0].long()  # [N, K]
     out = backend.forward(
         module.layer_idx,
         q,
@@ -69,13 +72,23 @@ def paged_attention_forward(
         sinks=sinks,
         chunk_size=chunk_size,
         alibi_slopes=alibi_slopes,
+        key_indices=key_indices,
     )  # [N, Hq, Dv]
     probs_plan = current_probs_plan()
     if probs_plan is None:  # nobody in the step asked: the second output is None, as sdpa's
         return out.unsqueeze(0), None  # [1, N, Hq, Dv]
     # After the backend: it has written this layer's K into the pool, and its output stays as it is.
     probs = probs_plan.compute(
-        backend.kv_pool, module.layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes
+        backend.kv_pool,
+        module.layer_idx,
+        q,
+        scaling,
+        sliding_window,
+        softcap,
+        sinks,
+        chunk_size,
+        alibi_slopes,
+        key_indices,
     )
     return out.unsqueeze(0), probs
 
@@ -120,7 +133,14 @@ _EAGER_ONLY_INPUTS = ("s_aux", "softcap")
 
 
 def _plain_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs):
-    """sdpa, as HF; a call with inputs sdpa cannot apply gets the module's own file's eager attention."""
+    """sdpa, as HF; a call with inputs sdpa cannot apply gets the module's own file's eager attention.
+
+    A DSA layer hands its indexer's picks (`indices`) to any implementation but eager and sdpa, whose
+    mask it folds them into itself: here they are folded into the mask our builder made, as HF would.
+    """
+    picks = kwargs.pop("indices", None)  # [B, S, K]
+    if picks is not None:
+        attention_mask = _with_picks(attention_mask, picks, query, key)
     eager_only = [name for name in _EAGER_ONLY_INPUTS if kwargs.get(name) is not None]
     if not eager_only:
         return sdpa_attention_forward(
@@ -143,6 +163,14 @@ def _plain_attention(module, query, key, value, attention_mask, dropout, scaling
         **kwargs,
     )
     return out, None  # no probabilities, as sdpa returns none
+
+
+def _with_picks(sdpa_mask_: torch.Tensor | None, picks: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
+    """Bool `[B, 1, S, T]`: the mask our builder made (None: causal), and of those keys only each query's picks."""
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if sdpa_mask_ is None:
+        sdpa_mask_ = torch.ones((q_len, kv_len), dtype=torch.bool, device=query.device).tril(kv_len - q_len)
+    return sdpa_mask_ & selected_keys(picks, kv_len)[:, None]
 
 
 def _additive_mask(sdpa_mask_: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

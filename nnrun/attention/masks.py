@@ -29,3 +29,14 @@ def alibi_bias(slopes: torch.Tensor, num_kv_heads: int, distance: torch.Tensor) 
     """
     grouped = slopes.float().view(num_kv_heads, -1, 1, 1)  # [Hkv, R, 1, 1]
     return grouped * distance
+
+
+def selected_keys(key_indices: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """Bool `[..., kv_len]`: the keys a sparse-attention indexer picked, from `[..., K]` positions (-1: none).
+
+    DSA attention (DeepSeek-V3.2) lets each query see only its picks, and of those only the ones the
+    causal mask allows: `allowed_keys(...) & selected_keys(...)`, as HF folds the two into one mask.
+    """
+    columns = torch.where(key_indices < 0, kv_len, key_indices.long())  # a pick of no key lands past the end
+    hits = torch.zeros((*key_indices.shape[:-1], kv_len + 1), dtype=torch.bool, device=key_indices.device)
+    return hits.scatter_(-1, columns, True)[..., :kv_len]

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from nnrun.attention.masks import alibi_bias, allowed_keys
+from nnrun.attention.masks import alibi_bias, allowed_keys, selected_keys
 from nnrun.forward_batch import ForwardBatch
 from nnrun.memory import KVPool
 
@@ -127,13 +127,21 @@ class AttentionProbsPlan:
         sinks: torch.Tensor | None = None,
         chunk_size: int | None = None,
         alibi_slopes: torch.Tensor | None = None,
+        key_indices: torch.Tensor | None = None,
     ) -> AttentionProbs:
-        """`q` is the step's `[N, Hq, D]` queries; the layer's keys are already in the pool."""
+        """`q` is the step's `[N, Hq, D]` queries; the layer's keys are already in the pool.
+
+        `key_indices` (`[N, K]`, DSA sparse attention) leaves each query only its indexer's picks, as HF
+        folds them into eager's mask.
+        """
         k_flat = kv_pool.k_flat(layer_idx)  # [num_slots, Hkv, D]
         by_row = {}
         for req in self.requests:
             slots, mask, distance = req.keys(sliding_window, chunk_size)
             alibi = None if alibi_slopes is None else alibi_bias(alibi_slopes, k_flat.shape[1], distance)
+            if key_indices is not None:  # [n, L]: picks are positions from 0, and DSA layers keep every key
+                picked = selected_keys(key_indices[req.q_start : req.q_start + req.q_len], slots.shape[0])
+                mask = picked if mask is None else mask & picked
             by_row[req.row] = _eager_probs(
                 q[req.q_start : req.q_start + req.q_len],
                 k_flat.index_select(0, slots),

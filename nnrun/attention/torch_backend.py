@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from nnrun.attention.base import AttentionBackend
-from nnrun.attention.masks import alibi_bias, allowed_keys
+from nnrun.attention.masks import alibi_bias, allowed_keys, selected_keys
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -53,7 +53,9 @@ class TorchAttnBackend(AttentionBackend):
     bottom-right aligned), as HF's padded batch would for equal prompts; decode steps gather every
     request's KV into one padded batch. Softmax runs in float32 when a softcap or attention sinks
     or ALiBi slopes are present (as HF's eager path does); otherwise torch's SDPA kernel does the
-    work. Sliding windows, attention chunks and ALiBi biases apply per request, at its own positions.
+    work. Sliding windows, attention chunks and ALiBi biases apply per request, at its own positions,
+    and so do DSA sparse attention's picks (`key_indices`): a query sees only the causal keys its
+    indexer picked.
     """
 
     name = "torch"
@@ -71,12 +73,25 @@ class TorchAttnBackend(AttentionBackend):
         self.metadata = _TorchMetadata(out_cache_loc, ForwardMode.EXTEND, groups, None, None)
 
     def forward(
-        self, layer_idx, q, k, v, scaling, sliding_window, softcap, sinks=None, chunk_size=None, alibi_slopes=None
+        self,
+        layer_idx,
+        q,
+        k,
+        v,
+        scaling,
+        sliding_window,
+        softcap,
+        sinks=None,
+        chunk_size=None,
+        alibi_slopes=None,
+        key_indices=None,
     ):
         meta = self.metadata
         self.kv_pool.write(layer_idx, meta.out_cache_loc, k, v)
         if meta.mode is ForwardMode.DECODE:
-            return self._decode(layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes)
+            return self._decode(
+                layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes, key_indices
+            )
         k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))  # [N, Hq, Dv]
         for group in meta.extend_groups:
@@ -84,11 +99,13 @@ class TorchAttnBackend(AttentionBackend):
             if group.token_indices is None:  # adjacent requests: a slice viewed as [G, n, ...], no gather
                 tokens = group.token_span
                 group_q = q[tokens].view(num, q_len, *q.shape[1:])  # [G, n, Hq, D]
+                picks = None if key_indices is None else key_indices[tokens].view(num, q_len, -1)  # [G, n, K]
                 new_k = k[tokens].view(num, q_len, *k.shape[1:])  # [G, n, Hkv, D]
                 new_v = v[tokens].view(num, q_len, *v.shape[1:])  # [G, n, Hkv, Dv]
             else:
                 index = group.token_indices
                 group_q = q.index_select(0, index).view(num, q_len, *q.shape[1:])  # [G, n, Hq, D]
+                picks = None if key_indices is None else key_indices.index_select(0, index).view(num, q_len, -1)
                 new_k = k.index_select(0, index).view(num, q_len, *k.shape[1:])  # [G, n, Hkv, D]
                 new_v = v.index_select(0, index).view(num, q_len, *v.shape[1:])  # [G, n, Hkv, Dv]
             if group.kv_slots is None:  # the whole KV is this step's: skip the pool
@@ -108,6 +125,7 @@ class TorchAttnBackend(AttentionBackend):
                 sinks,
                 chunk_size,
                 alibi_slopes,
+                picks,
             )  # [G, n, Hq, Dv]
             if group.token_indices is None:
                 out[tokens] = attended.reshape(num * q_len, *attended.shape[2:])
@@ -115,7 +133,7 @@ class TorchAttnBackend(AttentionBackend):
                 out.index_copy_(0, group.token_indices, attended.reshape(num * q_len, *attended.shape[2:]))
         return out
 
-    def _decode(self, layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes):
+    def _decode(self, layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes, key_indices):
         meta = self.metadata
         batch_slots = meta.decode_slots.flatten()  # [B * L]
         k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
@@ -128,6 +146,8 @@ class TorchAttnBackend(AttentionBackend):
             allowed = meta.decode_masks[sliding_window, chunk_size] = _decode_mask(
                 meta.decode_seq_lens, keys.shape[1], sliding_window, chunk_size
             )
+        if key_indices is not None:  # [B, K] each query's picks (DSA sparse attention)
+            allowed = allowed & selected_keys(key_indices, keys.shape[1])[:, None, None, :]  # [B, 1, 1, L]
         if softcap is None and sinks is None and alibi_slopes is None:
             out = F.scaled_dot_product_attention(
                 q[:, :, None, :],
@@ -189,17 +209,22 @@ def _extend_groups(forward_batch: ForwardBatch, device: torch.device) -> list[_E
     return groups
 
 
-def _attend(q, k, v, prefix_len, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes=None):
-    """G requests of one shape: q [G, n, Hq, D] at positions prefix_len.., k/v [G, L, Hkv, D] at 0..L-1."""
+def _attend(q, k, v, prefix_len, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes=None, picks=None):
+    """G requests of one shape: q [G, n, Hq, D] at positions prefix_len.., k/v [G, L, Hkv, D] at 0..L-1.
+
+    `picks` ([G, n, K] key positions, -1 for none) restricts each query to the keys its indexer picked.
+    """
     q_len, kv_len = q.shape[1], k.shape[1]
     limits_bind = any(limit is not None and limit < kv_len for limit in (sliding_window, chunk_size))
     allowed = alibi = None
-    if prefix_len > 0 or limits_bind or alibi_slopes is not None:
+    if prefix_len > 0 or limits_bind or alibi_slopes is not None or picks is not None:
         q_pos = torch.arange(prefix_len, prefix_len + q_len, device=q.device)[:, None]  # [n, 1]
         kv_pos = torch.arange(kv_len, device=q.device)[None, :]  # [1, L]
         allowed = allowed_keys(q_pos, kv_pos, sliding_window, chunk_size)  # [n, L]
         if alibi_slopes is not None:
             alibi = alibi_bias(alibi_slopes, k.shape[2], (kv_pos - q_pos).float())  # [Hkv, R, n, L]
+        if picks is not None:  # per request and query: [G, 1, n, L], heads broadcast
+            allowed = (allowed & selected_keys(picks, kv_len))[:, None]
     if softcap is None and sinks is None and alibi is None:
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
@@ -213,6 +238,8 @@ def _attend(q, k, v, prefix_len, scaling, sliding_window, softcap, sinks, chunk_
         return out.transpose(1, 2)
     if allowed is None:
         allowed = torch.ones((q_len, kv_len), dtype=torch.bool, device=q.device).tril()
+    elif picks is not None:
+        allowed = allowed[:, :, None]  # [G, 1, 1, n, L] against eager's [G, Hkv, R, n, L]
     return _eager_attend(q, k, v, allowed, scaling, softcap, sinks, alibi)
 
 
