@@ -34,9 +34,12 @@ SERVED = (
     "falcon_h1",
     "kimi_linear",
     "olmo_hybrid",
+    "minimax",
 )
 # A pure state-space model, a linear-attention hybrid and a short-conv hybrid: the lifecycle tests' subjects.
 LIFECYCLE = ("mamba", "qwen3_next", "lfm2")
+# Hybrids whose mixers keep their state in a cache API or layout of their own (MiniMax's `MiniMaxCache`, ...).
+OWN_STATE_API = ("minimax",)
 PROMPTS = ([17, 33, 45, 58, 61], [20, 71, 82, 93, 24, 35, 46, 57, 68, 79, 90], [101, 42, 13], [7, 8, 9, 10, 11, 12, 13])
 NUM_TOKENS = 5
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
@@ -80,7 +83,7 @@ def test_family_runs_packed_and_equals_hf(model_type):
     assert result.path == "packed", result.detail
 
 
-@pytest.mark.parametrize("model_type", LIFECYCLE)
+@pytest.mark.parametrize("model_type", LIFECYCLE + OWN_STATE_API)
 def test_packed_prefills_and_batched_decodes_equal_each_prompt_alone(model_type):
     model = tiny_model(model_type)
     oracle = twin(model)

@@ -47,6 +47,13 @@ class RowsCache(Cache):
         self.used.add(("recurrent", state_idx))
         return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
 
+    # MiniMax's lightning attention keeps its K^T V state through `MiniMaxCache`'s API: the recurrent state here
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        return self.get_recurrent_state(layer_idx)
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        self.update_recurrent_state(linear_cache, layer_idx)
+
 
 def rows_cache(
     pool: StatePool, layer_idx: int, num_states: int, rows: torch.Tensor, continues: bool

@@ -3,7 +3,7 @@
 A pass over the built model, like `nnrun/position_adapters.py`: every module whose HF forward
 keeps a recurrent state in HF's cache (it calls `update_conv_state` / `update_recurrent_state`,
 as Mamba's, Mamba2's, Jamba's, Bamba's, Qwen3-Next's `GatedDeltaNet`, LFM2's short conv and the
-other 5.23 mixers do) gets an instance `forward` that, inside a packed step, splits the flat
+other 5.23 mixers do, or `set_linear_cache`, MiniMax's lightning attention's own cache API) gets an instance `forward` that, inside a packed step, splits the flat
 `[1, N, H]` input into each request's tokens and runs HF's own forward on each with that
 request's state from the pool (`StateStep.run_mixer`). Outside a step (a plain call, the
 load-time probes, the exact path) it is HF's forward unchanged. No hooks, and the module and its
@@ -24,7 +24,8 @@ from nnrun.attention.context import current_state_step
 
 _ADAPTED = "_nnrun_state_mixer"  # MixerInfo on an adapted module: the pass runs once per model object
 CACHE_ARGUMENTS = ("cache_params", "past_key_values")  # the name a mixer's forward takes HF's cache by
-STATE_CALLS = ("update_conv_state", "update_recurrent_state")  # HF's cache API for recurrent state
+# HF's cache API for recurrent state, and MiniMax's own (its `MiniMaxCache` keeps one K^T V state per layer)
+STATE_CALLS = ("update_conv_state", "update_recurrent_state", "set_linear_cache")
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,19 @@ def _mixer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **
     if args:
         raise TypeError(f"{type(self).__name__} was called with positional arguments after hidden_states")
     kwargs.pop(info.cache_argument, None)  # None in a packed step (use_cache=False); the state is the pool's
+    num_outputs = []  # how many values HF's forward returns, if a tuple (MiniMax's: output, new state)
 
     def call(hidden: torch.Tensor, cache, call_kwargs: dict) -> torch.Tensor:
-        return hf_forward(self, hidden, **{info.cache_argument: cache}, **call_kwargs)
+        output = hf_forward(self, hidden, **{info.cache_argument: cache}, **call_kwargs)
+        if isinstance(output, tuple):
+            num_outputs[:] = [len(output)]
+            return output[0]
+        return output
 
     with _inner_modules_unseen(self):
-        return step.run_mixer(info.layer_idx, info.num_states, hidden_states, kwargs, call)
+        hidden = step.run_mixer(info.layer_idx, info.num_states, hidden_states, kwargs, call)
+    # The values after the first (a new state) are each request's, never laid out as the step's tokens: none here.
+    return (hidden, *[None] * (num_outputs[0] - 1)) if num_outputs else hidden
 
 
 @contextmanager
