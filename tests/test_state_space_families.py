@@ -35,11 +35,13 @@ SERVED = (
     "kimi_linear",
     "olmo_hybrid",
     "minimax",
+    "bamba",
 )
 # A pure state-space model, a linear-attention hybrid and a short-conv hybrid: the lifecycle tests' subjects.
 LIFECYCLE = ("mamba", "qwen3_next", "lfm2")
-# Hybrids whose mixers keep their state in a cache API or layout of their own (MiniMax's `MiniMaxCache`, ...).
-OWN_STATE_API = ("minimax",)
+# Hybrids with ways of their own: MiniMax's cache API (`MiniMaxCache`), Bamba's positions after a cache (from 0
+# unless given).
+OWN_WAYS = ("minimax", "bamba")
 PROMPTS = ([17, 33, 45, 58, 61], [20, 71, 82, 93, 24, 35, 46, 57, 68, 79, 90], [101, 42, 13], [7, 8, 9, 10, 11, 12, 13])
 NUM_TOKENS = 5
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
@@ -83,7 +85,7 @@ def test_family_runs_packed_and_equals_hf(model_type):
     assert result.path == "packed", result.detail
 
 
-@pytest.mark.parametrize("model_type", LIFECYCLE + OWN_STATE_API)
+@pytest.mark.parametrize("model_type", LIFECYCLE + OWN_WAYS)
 def test_packed_prefills_and_batched_decodes_equal_each_prompt_alone(model_type):
     model = tiny_model(model_type)
     oracle = twin(model)
@@ -107,6 +109,23 @@ def test_packed_prefills_and_batched_decodes_equal_each_prompt_alone(model_type)
         assert_all_rows_free(lm.engine)
     finally:
         lm.shutdown()
+
+
+def test_a_state_model_on_the_exact_path_numbers_the_tokens_after_its_cache():
+    """Bamba's forward numbers the tokens after its cache from 0 unless told (HF's generate tells it): so do we."""
+    model = tiny_model("bamba")
+    oracle = twin(model)
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    with nnrun.LLM(model, max_num_seqs=4, max_model_len=64, forward_path="exact") as llm:
+        assert llm.runner.exact_forward is not None
+        outputs = [output.outputs[0] for output in llm.generate([list(p) for p in PROMPTS], params)]
+    for prompt, output in zip(PROMPTS, outputs):
+        assert list(output.token_ids) == hf_greedy(oracle, prompt)
+        ids = list(prompt) + list(output.token_ids)
+        expected = hf_logits(oracle, ids).log_softmax(-1)[len(prompt) - 1 : -1]  # [NUM_TOKENS, V]
+        expected = expected.gather(1, torch.tensor(output.token_ids)[:, None])[:, 0]
+        actual = torch.tensor([step[token] for step, token in zip(output.logprobs, output.token_ids)])
+        assert_close_packed(actual, expected, msg=f"{len(prompt)} tokens")  # HF itself: summation order only
 
 
 @pytest.mark.parametrize("model_type", LIFECYCLE)
