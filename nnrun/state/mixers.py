@@ -3,7 +3,8 @@
 A pass over the built model, like `nnrun/position_adapters.py`: every module whose HF forward
 keeps a recurrent state in HF's cache (it calls `update_conv_state` / `update_recurrent_state`,
 as Mamba's, Mamba2's, Jamba's, Bamba's, Qwen3-Next's `GatedDeltaNet`, LFM2's short conv and the
-other 5.23 mixers do, or `set_linear_cache`, MiniMax's lightning attention's own cache API) gets an instance `forward` that, inside a packed step, splits the flat
+other 5.23 mixers do, or `set_linear_cache`, MiniMax's lightning attention's own cache API), and
+every module that keeps its state on itself (RecurrentGemma's recurrent block, `module_states.py`) gets an instance `forward` that, inside a packed step, splits the flat
 `[1, N, H]` input into each request's tokens and runs HF's own forward on each with that
 request's state from the pool (`StateStep.run_mixer`). Outside a step (a plain call, the
 load-time probes, the exact path) it is HF's forward unchanged. No hooks, and the module and its
@@ -21,6 +22,7 @@ from typing import Iterator
 import torch
 
 from nnrun.attention.context import current_state_step
+from nnrun.state.module_states import call_with_module_states, module_states_of
 
 _ADAPTED = "_nnrun_state_mixer"  # MixerInfo on an adapted module: the pass runs once per model object
 CACHE_ARGUMENTS = ("cache_params", "past_key_values")  # the name a mixer's forward takes HF's cache by
@@ -30,15 +32,24 @@ STATE_CALLS = ("update_conv_state", "update_recurrent_state", "set_linear_cache"
 
 @dataclass(frozen=True)
 class MixerInfo:
-    """One mixer layer: its `layer_idx`, the argument its cache goes in, and how many states of each kind it keeps."""
+    """One mixer layer: its `layer_idx`, where its state goes, and how many states of each kind it keeps.
+
+    The state goes in HF's cache, passed as `cache_argument`, or (`module_states`: kind and attribute
+    path of each) lives on the module itself, as RecurrentGemma's does.
+    """
 
     layer_idx: int
-    cache_argument: str
+    cache_argument: str | None
     num_states: int
+    module_states: tuple[tuple[str, str], ...] = ()
 
 
-def mixer_info(module: torch.nn.Module, num_states: int) -> MixerInfo | None:
-    """The module's MixerInfo if its HF forward keeps a recurrent state in HF's cache, else None."""
+def mixer_info(name: str, module: torch.nn.Module, num_states: int) -> MixerInfo | None:
+    """The module's MixerInfo if its HF forward keeps a recurrent state, in HF's cache or on itself; else None."""
+    module_states = module_states_of(module)
+    if module_states:  # HF gives it no layer_idx: its index in the model's layer list
+        layer_idx = next(int(part) for part in reversed(name.split(".")) if part.isdigit())
+        return MixerInfo(layer_idx, None, 1, module_states)
     layer_idx = getattr(module, "layer_idx", None)
     forward = inspect.unwrap(type(module).forward)
     code = getattr(forward, "__code__", None)
@@ -54,8 +65,8 @@ def adapt_mixers(model: torch.nn.Module) -> list[MixerInfo]:
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     num_states = getattr(config, "number_of_conv_states", 1) or 1
     mixers = []
-    for module in model.modules():
-        info = getattr(module, _ADAPTED, None) or mixer_info(module, num_states)
+    for name, module in model.named_modules():
+        info = getattr(module, _ADAPTED, None) or mixer_info(name, module, num_states)
         if info is None:
             continue
         if getattr(module, _ADAPTED, None) is None:
@@ -81,7 +92,12 @@ def _mixer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **
     num_outputs = []  # how many values HF's forward returns, if a tuple (MiniMax's: output, new state)
 
     def call(hidden: torch.Tensor, cache, call_kwargs: dict) -> torch.Tensor:
-        output = hf_forward(self, hidden, **{info.cache_argument: cache}, **call_kwargs)
+        if info.module_states:
+            output = call_with_module_states(
+                self, hf_forward, info.module_states, info.layer_idx, hidden, cache, call_kwargs
+            )
+        else:
+            output = hf_forward(self, hidden, **{info.cache_argument: cache}, **call_kwargs)
         if isinstance(output, tuple):
             num_outputs[:] = [len(output)]
             return output[0]

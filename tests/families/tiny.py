@@ -85,6 +85,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1},
     "bamba": {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 1, "attn_layer_indices": [1]},
     "minimax": {"block_size": 4},  # lightning attention's prefill runs in blocks: an 11-token prompt spans three
+    # its RG-LRU width follows the full model's hidden size; a window the probe's prompts cross
+    "recurrent_gemma": {"lru_width": 64, "attention_window_size": 8},
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": (32, 32), "axial_pos_shape": (16, 16)},
     "deepseek_v2": {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 2},
 }
