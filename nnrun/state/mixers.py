@@ -26,6 +26,8 @@ from nnrun.state.module_states import call_with_module_states, module_states_of
 
 _ADAPTED = "_nnrun_state_mixer"  # MixerInfo on an adapted module: the pass runs once per model object
 CACHE_ARGUMENTS = ("cache_params", "past_key_values")  # the name a mixer's forward takes HF's cache by
+# Mixers whose HF forward returns several values per token (Zaya's CCA projection: query, key and value)
+NUM_TOKEN_OUTPUTS = {"ZayaCCAProjection": 3}
 # HF's cache API for recurrent state, and MiniMax's own (its `MiniMaxCache` keeps one K^T V state per layer)
 STATE_CALLS = ("update_conv_state", "update_recurrent_state", "set_linear_cache")
 
@@ -42,6 +44,7 @@ class MixerInfo:
     cache_argument: str | None
     num_states: int
     module_states: tuple[tuple[str, str], ...] = ()
+    num_token_outputs: int = 1  # how many of HF's outputs are laid out per token (the first, or Zaya's q, k, v)
 
 
 def mixer_info(name: str, module: torch.nn.Module, num_states: int) -> MixerInfo | None:
@@ -57,7 +60,9 @@ def mixer_info(name: str, module: torch.nn.Module, num_states: int) -> MixerInfo
         return None
     parameters = inspect.signature(forward).parameters
     cache_argument = next((name for name in CACHE_ARGUMENTS if name in parameters), None)
-    return None if cache_argument is None else MixerInfo(layer_idx, cache_argument, num_states)
+    if cache_argument is None:
+        return None
+    return MixerInfo(layer_idx, cache_argument, num_states, (), NUM_TOKEN_OUTPUTS.get(type(module).__name__, 1))
 
 
 def adapt_mixers(model: torch.nn.Module) -> list[MixerInfo]:
@@ -86,27 +91,39 @@ def _mixer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **
     if step is None or not step.is_first_call(self):
         return hf_forward(self, hidden_states, *args, **kwargs)
     info: MixerInfo = getattr(self, _ADAPTED)
-    if args:
-        raise TypeError(f"{type(self).__name__} was called with positional arguments after hidden_states")
+    if args:  # Zaya's attention passes its CCA projection's cache and mask by position
+        kwargs = _by_name(self, args, kwargs)
     kwargs.pop(info.cache_argument, None)  # None in a packed step (use_cache=False); the state is the pool's
-    num_outputs = []  # how many values HF's forward returns, if a tuple (MiniMax's: output, new state)
+    num_returned = []  # how many values HF's forward returns, if a tuple (MiniMax's: output and new state)
 
-    def call(hidden: torch.Tensor, cache, call_kwargs: dict) -> torch.Tensor:
+    def call(hidden: torch.Tensor, cache, call_kwargs: dict) -> tuple[torch.Tensor, ...]:
         if info.module_states:
             output = call_with_module_states(
                 self, hf_forward, info.module_states, info.layer_idx, hidden, cache, call_kwargs
             )
         else:
             output = hf_forward(self, hidden, **{info.cache_argument: cache}, **call_kwargs)
-        if isinstance(output, tuple):
-            num_outputs[:] = [len(output)]
-            return output[0]
-        return output
+        if not isinstance(output, tuple):
+            return (output,)
+        num_returned[:] = [len(output)]
+        return output[: info.num_token_outputs]
 
     with _inner_modules_unseen(self):
-        hidden = step.run_mixer(info.layer_idx, info.num_states, hidden_states, kwargs, call)
-    # The values after the first (a new state) are each request's, never laid out as the step's tokens: none here.
-    return (hidden, *[None] * (num_outputs[0] - 1)) if num_outputs else hidden
+        outputs = step.run_mixer(info.layer_idx, info.num_states, hidden_states, kwargs, call)
+    if not num_returned:
+        return outputs[0]
+    # The values after the per-token ones (MiniMax's new state) are each request's own, not laid out as the
+    # step's tokens: none here.
+    return (*outputs, *[None] * (num_returned[0] - len(outputs)))
+
+
+def _by_name(mixer: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
+    """The arguments after hidden_states, all by name, as the mixer's HF forward names them."""
+    parameters = list(inspect.signature(type(mixer).forward).parameters.values())[2:]  # after self, hidden_states
+    names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(args) > len(names):
+        raise TypeError(f"{type(mixer).__name__} was called with {len(args)} positional arguments after hidden_states")
+    return {**dict(zip(names, args)), **kwargs}
 
 
 @contextmanager
