@@ -78,8 +78,8 @@ def test_a_fresh_prefill_reads_no_state_and_leaves_hf_its_empty_cache():
 
 def test_a_mixer_keeping_its_state_on_itself_runs_on_the_rows_states_and_gets_its_own_back():
     """RecurrentGemma's blocks keep their states as attributes: HF's forward sees the rows', the module keeps its own."""
+    from nnrun.state.bridges import ModuleAttributes
     from nnrun.state.hf_cache import rows_cache, written_states
-    from nnrun.state.module_states import call_with_module_states
 
     class Block(torch.nn.Module):  # HF's way: carries `conv1d_state` and `inner.state` on when use_cache
         def __init__(self):
@@ -97,14 +97,14 @@ def test_a_mixer_keeping_its_state_on_itself_runs_on_the_rows_states_and_gets_it
     rows = torch.tensor([1])
     pool.write((0, "conv", 0), rows, torch.ones(1, 2))
     pool.write((0, "recurrent", 0), rows, torch.full((1, 2), 5.0))
-    states = (("conv", "conv1d_state"), ("recurrent", "inner.state"))
+    bridge = ModuleAttributes((("conv", "conv1d_state"), ("recurrent", "inner.state")))
     block = Block()
     cache, layer = rows_cache(pool, 0, num_states=1, rows=rows, continues=True)
-    seen = call_with_module_states(block, type(block).forward, states, 0, torch.ones(1, 2), cache, {})
+    seen = bridge.call(block, type(block).forward, 0, torch.ones(1, 2), cache, {})
     assert torch.equal(seen[0], torch.ones(1, 2)) and torch.equal(seen[1], torch.full((1, 2), 5.0))
     assert (block.conv1d_state, block.inner.state) == ("its own", "its own")
     written = dict(written_states(0, cache, layer))
     assert torch.equal(written[(0, "conv", 0)], torch.full((1, 2), 2.0))
     assert torch.equal(written[(0, "recurrent", 0)], torch.full((1, 2), 3.0))
     fresh, _ = rows_cache(pool, 0, num_states=1, rows=rows, continues=False)  # a fresh prefill: HF starts from None
-    assert call_with_module_states(block, type(block).forward, states, 0, torch.ones(1, 2), fresh, {}) == (None, None)
+    assert bridge.call(block, type(block).forward, 0, torch.ones(1, 2), fresh, {}) == (None, None)

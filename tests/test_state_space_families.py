@@ -39,14 +39,17 @@ SERVED = (
     "recurrent_gemma",
     "zaya",
     "zamba2",
+    "rwkv",
+    "xlstm",
 )
 # A pure state-space model, a linear-attention hybrid and a short-conv hybrid: the lifecycle tests' subjects.
 LIFECYCLE = ("mamba", "qwen3_next", "lfm2")
-# Hybrids with ways of their own: MiniMax's cache API (`MiniMaxCache`), Bamba's positions after a cache (from 0
+# Families with ways of their own: MiniMax's cache API (`MiniMaxCache`), Bamba's positions after a cache (from 0
 # unless given), RecurrentGemma's states kept on its recurrent blocks, Zaya's convolution inside attention (its
 # CCA projection, called with positional arguments, returns query, key and value per token), Zamba2's attention
-# blocks told their layer by argument.
-OWN_WAYS = ("minimax", "bamba", "recurrent_gemma", "zaya", "zamba2")
+# blocks told their layer by argument, RWKV's whole-model state columns (its decodes one request at a time),
+# xLSTM's states returned by its blocks (and its logits never cut to the rows asked for).
+OWN_WAYS = ("minimax", "bamba", "recurrent_gemma", "zaya", "zamba2", "rwkv", "xlstm")
 PROMPTS = ([17, 33, 45, 58, 61], [20, 71, 82, 93, 24, 35, 46, 57, 68, 79, 90], [101, 42, 13], [7, 8, 9, 10, 11, 12, 13])
 NUM_TOKENS = 5
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)

@@ -1,14 +1,15 @@
 """Mixer layers (state-space, linear-attention, short-conv) run per request inside a packed forward.
 
 A pass over the built model, like `nnrun/position_adapters.py`: every module whose HF forward
-keeps a recurrent state in HF's cache (it calls `update_conv_state` / `update_recurrent_state`,
-as Mamba's, Mamba2's, Jamba's, Bamba's, Qwen3-Next's `GatedDeltaNet`, LFM2's short conv and the
-other 5.23 mixers do, or `set_linear_cache`, MiniMax's lightning attention's own cache API), and
-every module that keeps its state on itself (RecurrentGemma's recurrent block, `module_states.py`) gets an instance `forward` that, inside a packed step, splits the flat
+keeps a recurrent state gets an instance `forward` that, inside a packed step, splits the flat
 `[1, N, H]` input into each request's tokens and runs HF's own forward on each with that
-request's state from the pool (`StateStep.run_mixer`). Outside a step (a plain call, the
-load-time probes, the exact path) it is HF's forward unchanged. No hooks, and the module and its
-path stay HF's, so nnsight sees `...mixer` output `[1, N, H]` and slices each invoke's tokens.
+request's state from the pool (`StateStep.run_mixer`). Those are the modules that keep it in
+HF's cache (they call `update_conv_state` / `update_recurrent_state`, as Mamba's, Mamba2's,
+Jamba's, Bamba's, Qwen3-Next's `GatedDeltaNet`, LFM2's short conv and the other 5.23 mixers do,
+or `set_linear_cache`, MiniMax's lightning attention's own cache API), and the few that keep it
+their own way (`bridges.OWN_WAYS`: RecurrentGemma, RWKV, xLSTM). Outside a step (a plain call,
+the load-time probes, the exact path) it is HF's forward unchanged. No hooks, and the module and
+its path stay HF's, so nnsight sees `...mixer` output `[1, N, H]` and slices each invoke's tokens.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Iterator
 import torch
 
 from nnrun.attention.context import current_state_step
-from nnrun.state.module_states import call_with_module_states, module_states_of
+from nnrun.state.bridges import OWN_WAYS, Bridge, HFCache
 
 _ADAPTED = "_nnrun_state_mixer"  # MixerInfo on an adapted module: the pass runs once per model object
 CACHE_ARGUMENTS = ("cache_params", "past_key_values")  # the name a mixer's forward takes HF's cache by
@@ -34,25 +35,20 @@ STATE_CALLS = ("update_conv_state", "update_recurrent_state", "set_linear_cache"
 
 @dataclass(frozen=True)
 class MixerInfo:
-    """One mixer layer: its `layer_idx`, where its state goes, and how many states of each kind it keeps.
-
-    The state goes in HF's cache, passed as `cache_argument`, or (`module_states`: kind and attribute
-    path of each) lives on the module itself, as RecurrentGemma's does.
-    """
+    """One mixer layer: its `layer_idx`, how its state reaches HF's code, and how many states of each kind it keeps."""
 
     layer_idx: int
-    cache_argument: str | None
+    bridge: Bridge
     num_states: int
-    module_states: tuple[tuple[str, str], ...] = ()
     num_token_outputs: int = 1  # how many of HF's outputs are laid out per token (the first, or Zaya's q, k, v)
 
 
 def mixer_info(name: str, module: torch.nn.Module, num_states: int) -> MixerInfo | None:
-    """The module's MixerInfo if its HF forward keeps a recurrent state, in HF's cache or on itself; else None."""
-    module_states = module_states_of(module)
-    if module_states:  # HF gives it no layer_idx: its index in the model's layer list
+    """The module's MixerInfo if its HF forward keeps a recurrent state (`name`: its path in the model); else None."""
+    own_way = OWN_WAYS.get(type(module).__name__)
+    if own_way is not None:  # HF gives these no layer_idx: their index in the model's list of layers
         layer_idx = next(int(part) for part in reversed(name.split(".")) if part.isdigit())
-        return MixerInfo(layer_idx, None, 1, module_states)
+        return MixerInfo(layer_idx, own_way, own_way.num_states)
     layer_idx = getattr(module, "layer_idx", None)
     forward = inspect.unwrap(type(module).forward)
     code = getattr(forward, "__code__", None)
@@ -62,7 +58,7 @@ def mixer_info(name: str, module: torch.nn.Module, num_states: int) -> MixerInfo
     cache_argument = next((name for name in CACHE_ARGUMENTS if name in parameters), None)
     if cache_argument is None:
         return None
-    return MixerInfo(layer_idx, cache_argument, num_states, (), NUM_TOKEN_OUTPUTS.get(type(module).__name__, 1))
+    return MixerInfo(layer_idx, HFCache(cache_argument), num_states, NUM_TOKEN_OUTPUTS.get(type(module).__name__, 1))
 
 
 def adapt_mixers(model: torch.nn.Module) -> list[MixerInfo]:
@@ -93,16 +89,11 @@ def _mixer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **
     info: MixerInfo = getattr(self, _ADAPTED)
     if args:  # Zaya's attention passes its CCA projection's cache and mask by position
         kwargs = _by_name(self, args, kwargs)
-    kwargs.pop(info.cache_argument, None)  # None in a packed step (use_cache=False); the state is the pool's
+    kwargs.pop(info.bridge.argument, None)  # None in a packed step (no cache); the state is the pool's
     num_returned = []  # how many values HF's forward returns, if a tuple (MiniMax's: output and new state)
 
     def call(hidden: torch.Tensor, cache, call_kwargs: dict) -> tuple[torch.Tensor, ...]:
-        if info.module_states:
-            output = call_with_module_states(
-                self, hf_forward, info.module_states, info.layer_idx, hidden, cache, call_kwargs
-            )
-        else:
-            output = hf_forward(self, hidden, **{info.cache_argument: cache}, **call_kwargs)
+        output = info.bridge.call(self, hf_forward, info.layer_idx, hidden, cache, call_kwargs)
         if not isinstance(output, tuple):
             return (output,)
         num_returned[:] = [len(output)]
@@ -141,7 +132,7 @@ def _inner_modules_unseen(mixer: torch.nn.Module) -> Iterator[None]:
     hooked = [type(m).__name__ for m in inner if m._forward_hooks or m._forward_pre_hooks]
     if hooked:
         raise RuntimeError(
-            f"hooks on {hooked} inside {type(mixer).__name__} (layer {mixer.layer_idx}): on nnrun's packed path a "
+            f"hooks on {hooked} inside {type(mixer).__name__} (layer {getattr(mixer, _ADAPTED).layer_idx}): on nnrun's packed path a "
             "mixer layer runs its modules once per request, so they never see the step's [1, N, ...] values; hook "
             "the mixer itself, or load the model with forward_path='exact'"
         )

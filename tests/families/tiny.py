@@ -98,6 +98,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
         "hybrid_layer_ids": [1],
         "chunk_size": 8,
     },
+    # its block count follows the full model's; its cache rounds the query/key width up to a multiple of 64
+    # where its layers do not (the same for the hub's widths)
+    "xlstm": {"num_blocks": 2, "qk_dim_factor": 1.0},
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": (32, 32), "axial_pos_shape": (16, 16)},
     "deepseek_v2": {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 2},
 }
