@@ -47,7 +47,11 @@ def mixer_info(name: str, module: torch.nn.Module, num_states: int) -> MixerInfo
     """The module's MixerInfo if its HF forward keeps a recurrent state (`name`: its path in the model); else None."""
     own_way = OWN_WAYS.get(type(module).__name__)
     if own_way is not None:  # HF gives these no layer_idx: their index in the model's list of layers
-        layer_idx = next(int(part) for part in reversed(name.split(".")) if part.isdigit())
+        layer_idx = next((int(part) for part in reversed(name.split(".")) if part.isdigit()), None)
+        if layer_idx is None:
+            raise ValueError(
+                f"{type(module).__name__} at {name!r} is not in a list of layers: its layer index is unknown"
+            )
         return MixerInfo(layer_idx, own_way, own_way.num_states)
     layer_idx = getattr(module, "layer_idx", None)
     forward = inspect.unwrap(type(module).forward)
