@@ -93,7 +93,7 @@ class ModelRunner(KVPoolSetup):
         if self.packed_unfit is None:
             self.layers, self.packed_unfit = packed_layers(self.model, self.device)
         # Decided once: a model that ignores logits_to_keep (Whisper's decoder) has its rows taken by the runner.
-        self.returns_every_position = bool(self.layers) and returns_every_position(self.model, self.device)
+        self.returns_every_position = self.packed_unfit is None and returns_every_position(self.model, self.device)
         self._modules = list(self.model.modules())  # checked for hooks before each graph replay
         model_len = min(max_context_len(self.model.config), max_positions(self.model) or sys.maxsize)
         self.max_model_len = min(self.config.model.max_model_len or model_len, model_len)

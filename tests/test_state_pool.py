@@ -74,3 +74,37 @@ def test_a_fresh_prefill_reads_no_state_and_leaves_hf_its_empty_cache():
     pool.write((0, "recurrent", 0), torch.tensor([1]), torch.ones(1, 2, 2))  # a previous request's state in row 1
     cache, _ = rows_cache(pool, 0, num_states=1, rows=torch.tensor([1]), continues=False)
     assert cache.get_conv_state(0) is None and cache.get_recurrent_state(0) is None
+
+
+def test_a_mixer_keeping_its_state_on_itself_runs_on_the_rows_states_and_gets_its_own_back():
+    """RecurrentGemma's blocks keep their states as attributes: HF's forward sees the rows', the module keeps its own."""
+    from nnrun.state.bridges import ModuleAttributes
+    from nnrun.state.hf_cache import rows_cache, written_states
+
+    class Block(torch.nn.Module):  # HF's way: carries `conv1d_state` and `inner.state` on when use_cache
+        def __init__(self):
+            super().__init__()
+            self.inner = torch.nn.Module()
+            self.conv1d_state, self.inner.state = "its own", "its own"
+
+        def forward(self, hidden, use_cache=False):
+            assert use_cache
+            seen = (self.conv1d_state, self.inner.state)
+            self.conv1d_state, self.inner.state = hidden * 2, hidden * 3
+            return seen
+
+    pool = StatePool(num_rows=2, device=CPU, mixer_layer_ids=[0])
+    rows = torch.tensor([1])
+    pool.write((0, "conv", 0), rows, torch.ones(1, 2))
+    pool.write((0, "recurrent", 0), rows, torch.full((1, 2), 5.0))
+    bridge = ModuleAttributes((("conv", "conv1d_state"), ("recurrent", "inner.state")))
+    block = Block()
+    cache, layer = rows_cache(pool, 0, num_states=1, rows=rows, continues=True)
+    seen = bridge.call(block, type(block).forward, 0, torch.ones(1, 2), cache, {})
+    assert torch.equal(seen[0], torch.ones(1, 2)) and torch.equal(seen[1], torch.full((1, 2), 5.0))
+    assert (block.conv1d_state, block.inner.state) == ("its own", "its own")
+    written = dict(written_states(0, cache, layer))
+    assert torch.equal(written[(0, "conv", 0)], torch.full((1, 2), 2.0))
+    assert torch.equal(written[(0, "recurrent", 0)], torch.full((1, 2), 3.0))
+    fresh, _ = rows_cache(pool, 0, num_states=1, rows=rows, continues=False)  # a fresh prefill: HF starts from None
+    assert bridge.call(block, type(block).forward, 0, torch.ones(1, 2), fresh, {}) == (None, None)

@@ -16,7 +16,7 @@ import torch
 import nnrun
 from conformance.models import twin
 from families.sweep import check_family
-from families.tiny import tiny_model
+from families.tiny import tiny_config, tiny_model
 from nnrun import SamplingParams
 from tolerance import assert_close_packed
 
@@ -34,9 +34,22 @@ SERVED = (
     "falcon_h1",
     "kimi_linear",
     "olmo_hybrid",
+    "minimax",
+    "bamba",
+    "recurrent_gemma",
+    "zaya",
+    "zamba2",
+    "rwkv",
+    "xlstm",
 )
 # A pure state-space model, a linear-attention hybrid and a short-conv hybrid: the lifecycle tests' subjects.
 LIFECYCLE = ("mamba", "qwen3_next", "lfm2")
+# Families with ways of their own: MiniMax's cache API (`MiniMaxCache`), Bamba's positions after a cache (from 0
+# unless given), RecurrentGemma's states kept on its recurrent blocks, Zaya's convolution inside attention (its
+# CCA projection, called with positional arguments, returns query, key and value per token), Zamba2's attention
+# blocks told their layer by argument, RWKV's whole-model state columns (its decodes one request at a time),
+# xLSTM's states returned by its blocks (and its logits never cut to the rows asked for).
+OWN_WAYS = ("minimax", "bamba", "recurrent_gemma", "zaya", "zamba2", "rwkv", "xlstm")
 PROMPTS = ([17, 33, 45, 58, 61], [20, 71, 82, 93, 24, 35, 46, 57, 68, 79, 90], [101, 42, 13], [7, 8, 9, 10, 11, 12, 13])
 NUM_TOKENS = 5
 GREEDY = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True)
@@ -80,7 +93,7 @@ def test_family_runs_packed_and_equals_hf(model_type):
     assert result.path == "packed", result.detail
 
 
-@pytest.mark.parametrize("model_type", LIFECYCLE)
+@pytest.mark.parametrize("model_type", LIFECYCLE + OWN_WAYS)
 def test_packed_prefills_and_batched_decodes_equal_each_prompt_alone(model_type):
     model = tiny_model(model_type)
     oracle = twin(model)
@@ -104,6 +117,46 @@ def test_packed_prefills_and_batched_decodes_equal_each_prompt_alone(model_type)
         assert_all_rows_free(lm.engine)
     finally:
         lm.shutdown()
+
+
+def test_zamba2s_attention_blocks_told_their_layer_page_a_kv_cache_each():
+    """Zamba2's hybrid layers share one block's weights, each block module HF's `layer_idx = -1`, told its layer."""
+    from transformers import AutoModelForCausalLM
+
+    from nnrun.state.placeholders import StateLayerPlaceholder
+
+    config = tiny_config("zamba2")
+    config.layers_block_type = ["linear_attention", "hybrid", "hybrid"]
+    config.hybrid_layer_ids, config.num_hidden_layers = [1, 2], 3
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    oracle = twin(model)
+    blocks = [model.model.layers[i].shared_transformer for i in (1, 2)]
+    assert blocks[0].self_attn.q_proj.weight is blocks[1].self_attn.q_proj.weight
+    expected = [hf_greedy(oracle, prompt) for prompt in PROMPTS]
+    with nnrun.LLM(model, max_num_seqs=4, max_model_len=64) as llm:
+        assert llm.runner.exact_forward is None
+        attention = [layer.layer_idx for layer in llm.runner.layers if not isinstance(layer, StateLayerPlaceholder)]
+        assert attention == [1, 2]
+        assert tokens_of(llm.generate([list(p) for p in PROMPTS], GREEDY)) == expected
+    assert all(block.self_attn.layer_idx == -1 for block in blocks)  # HF's again outside a call
+
+
+def test_a_state_model_on_the_exact_path_numbers_the_tokens_after_its_cache():
+    """Bamba's forward numbers the tokens after its cache from 0 unless told (HF's generate tells it): so do we."""
+    model = tiny_model("bamba")
+    oracle = twin(model)
+    params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    with nnrun.LLM(model, max_num_seqs=4, max_model_len=64, forward_path="exact") as llm:
+        assert llm.runner.exact_forward is not None
+        outputs = [output.outputs[0] for output in llm.generate([list(p) for p in PROMPTS], params)]
+    for prompt, output in zip(PROMPTS, outputs):
+        assert list(output.token_ids) == hf_greedy(oracle, prompt)
+        ids = list(prompt) + list(output.token_ids)
+        expected = hf_logits(oracle, ids).log_softmax(-1)[len(prompt) - 1 : -1]  # [NUM_TOKENS, V]
+        expected = expected.gather(1, torch.tensor(output.token_ids)[:, None])[:, 0]
+        actual = torch.tensor([step[token] for step, token in zip(output.logprobs, output.token_ids)])
+        assert_close_packed(actual, expected, msg=f"{len(prompt)} tokens")  # HF itself: summation order only
 
 
 @pytest.mark.parametrize("model_type", LIFECYCLE)

@@ -44,6 +44,9 @@ class HFForward:
         self.keeps_cache = True  # until a forward shows the model returns no cache
         self.caches: dict[str, RequestCache] = {}
         self.reason: str | None = None  # why the model runs on the exact path (set by the path choice)
+        # A state model's forward may number the tokens after its cache from 0 (Bamba's does): HF's generate
+        # passes their positions, and so do we. Others number them from their cache (or as they must: RoBERTa's).
+        self.passes_positions = "position_ids" in params and getattr(model, "_is_stateful", False)
 
     # ---- layout ---------------------------------------------------------------------------
     def forward_batch(self, req: Request, wants_prompt_logits: bool, keeps_all_logits: bool = False) -> ForwardBatch:
@@ -85,7 +88,7 @@ class HFForward:
         # A request that asked for attention probabilities gets HF's: eager attention returns them.
         wants_probs = bool(forward_batch.attention_probs_rows)
         with attention_implementation(self.model, "eager") if wants_probs else nullcontext():
-            output = self.call(input_ids, None if cache is None else cache.value, logits_indices, wants_probs)
+            output = self.call(input_ids, None if cache is None else cache.value, logits_indices, wants_probs, start)
         logits = output.logits[0]  # [R, V], or [T, V] from a model that ignores logits_to_keep
         if logits.shape[0] != logits_indices.numel():
             logits = logits[logits_indices]
@@ -98,9 +101,12 @@ class HFForward:
         cache: Any,
         logits_indices: torch.Tensor | None = None,
         output_attentions: bool = False,
+        num_cached: int = 0,
     ) -> Any:
-        """One plain HF forward of `[1, T]` ids after `cache` (None: from the start)."""
+        """One plain HF forward of `[1, T]` ids after `cache` (None: from the start) of `num_cached` tokens."""
         kwargs: dict[str, Any] = {"input_ids": input_ids}
+        if self.passes_positions:
+            kwargs["position_ids"] = torch.arange(num_cached, num_cached + input_ids.shape[1], device=self.device)[None]
         if output_attentions:
             kwargs["output_attentions"] = True
         if "use_cache" in self._takes:

@@ -145,7 +145,7 @@ def _references(hf: HFForward, prompts: list[ProbePrompt]) -> list[Reference]:
             if cache is None:  # no cache: HF runs the whole sequence again
                 decode = hf.call(torch.cat([ids, next_ids], dim=1), None)
             else:
-                decode = hf.call(next_ids, cache)
+                decode = hf.call(next_ids, cache, num_cached=ids.shape[1])
             references.append(Reference(prefill.logits[0], decode.logits[0, -1]))
     return references
 

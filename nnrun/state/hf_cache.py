@@ -47,6 +47,27 @@ class RowsCache(Cache):
         self.used.add(("recurrent", state_idx))
         return super().update_recurrent_state(recurrent_states, layer_idx, state_idx, **kwargs)
 
+    # A mixer that keeps its state its own way (nnrun/state/bridges.py) reads and leaves it here
+    def read_state(self, kind: str, layer_idx: int, state_idx: int = 0) -> torch.Tensor | None:
+        if kind == "conv":
+            return self.get_conv_state(layer_idx, state_idx)
+        return self.get_recurrent_state(layer_idx, state_idx)
+
+    def keep_state(self, kind: str, layer_idx: int, value: torch.Tensor, state_idx: int = 0) -> None:
+        layer = self.layers[layer_idx]
+        if kind == "conv":
+            layer.conv_states[state_idx], layer.is_conv_states_initialized[state_idx] = value, True
+        else:
+            layer.recurrent_states[state_idx], layer.is_recurrent_states_initialized[state_idx] = value, True
+        self.used.add((kind, state_idx))
+
+    # MiniMax's lightning attention keeps its K^T V state through `MiniMaxCache`'s API: the recurrent state here
+    def get_linear_cache(self, layer_idx: int) -> torch.Tensor | None:
+        return self.get_recurrent_state(layer_idx)
+
+    def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
+        self.update_recurrent_state(linear_cache, layer_idx)
+
 
 def rows_cache(
     pool: StatePool, layer_idx: int, num_states: int, rows: torch.Tensor, continues: bool

@@ -11,11 +11,13 @@ from nnrun.attention.context import state_step_context
 from nnrun.forward_batch import ForwardBatch
 from nnrun.state.mixers import adapt_mixers
 from nnrun.state.pool import StatePool
+from nnrun.state.shared_attention import adapt_shared_attention
 from nnrun.state.step import StateStep
 
 
 def state_pool_for(model: torch.nn.Module, num_rows: int, device: torch.device) -> StatePool | None:
     """Adapt the model's mixer layers and give them a pool of `num_rows` rows; None for a model without any."""
+    adapt_shared_attention(model)  # a hybrid's attention shared by its layers pages KV per calling layer
     mixers = adapt_mixers(model)
     return StatePool(num_rows, device, sorted({info.layer_idx for info in mixers})) if mixers else None
 

@@ -26,7 +26,8 @@ from nnrun.forward_batch import ForwardBatch
 from nnrun.state.hf_cache import rows_cache, written_states
 from nnrun.state.pool import StateKey, StatePool
 
-MixerCall = Callable[[torch.Tensor, Any, dict[str, Any]], Any]  # (hidden [B, T, H], HF cache, kwargs) -> output
+# (hidden [B, T, H], HF cache, kwargs) -> HF's per-token outputs, each [B, T, ...]
+MixerCall = Callable[[torch.Tensor, Any, dict[str, Any]], tuple[torch.Tensor, ...]]
 
 
 @dataclass(frozen=True)
@@ -81,33 +82,37 @@ class StateStep:
     # ---- a mixer layer --------------------------------------------------------------------
     def run_mixer(
         self, layer_idx: int, num_states: int, hidden_states: torch.Tensor, kwargs: dict[str, Any], call: MixerCall
-    ) -> torch.Tensor:
-        """The mixer's `[1, N, H]` output over the step, each request run on its own state."""
+    ) -> tuple[torch.Tensor, ...]:
+        """The mixer's per-token outputs over the step, each `[1, N, ...]`, each request run on its own state."""
         if hidden_states.shape[:2] != (1, self.num_tokens):
             raise RuntimeError(
                 f"mixer layer {layer_idx} got input {tuple(hidden_states.shape)}, not the step's [1, {self.num_tokens}, H]"
             )
         if len(self.decodes) == len(self.segments):  # a decode step: one batched call, already in batch order
-            return self._run_decodes(layer_idx, num_states, hidden_states, kwargs, call).transpose(0, 1)
-        pieces: dict[int, torch.Tensor] = {}  # start -> [T, H]
+            outputs = self._run_decodes(layer_idx, num_states, hidden_states, kwargs, call)
+            return tuple(output.transpose(0, 1) for output in outputs)
+        pieces: dict[int, tuple[torch.Tensor, ...]] = {}  # start -> each output's [T, ...]
         if self.decodes:
-            out = self._run_decodes(layer_idx, num_states, hidden_states, kwargs, call)  # [B, 1, H]
-            pieces.update((s.start, out[i]) for i, s in enumerate(self.decodes))
+            outputs = self._run_decodes(layer_idx, num_states, hidden_states, kwargs, call)  # each [B, 1, ...]
+            pieces.update((s.start, tuple(output[i] for output in outputs)) for i, s in enumerate(self.decodes))
         for segment in self.segments:
             if segment.prefix and segment.num_new == 1:
                 continue
             pieces[segment.start] = self._run_alone(layer_idx, num_states, hidden_states, kwargs, call, segment)
-        return torch.cat([pieces[start] for start in sorted(pieces)])[None]  # [1, N, H]
+        in_order = [pieces[start] for start in sorted(pieces)]
+        return tuple(torch.cat(parts)[None] for parts in zip(*in_order))  # each [1, N, ...]
 
-    def _run_decodes(self, layer_idx, num_states, hidden_states, kwargs, call) -> torch.Tensor:
+    def _run_decodes(self, layer_idx, num_states, hidden_states, kwargs, call) -> tuple[torch.Tensor, ...]:
         starts, rows = self.decode_starts, self.decode_rows
         cache, layer = rows_cache(self.pool, layer_idx, num_states, rows, continues=True)
         batch_kwargs = {name: _token_rows(value, self.num_tokens, starts) for name, value in kwargs.items()}
-        out = call(hidden_states[0].index_select(0, starts)[:, None], cache, batch_kwargs)  # [B, 1, H]
+        outputs = call(hidden_states[0].index_select(0, starts)[:, None], cache, batch_kwargs)  # each [B, 1, ...]
         self._hold(layer_idx, rows, written_states(layer_idx, cache, layer))
-        return out
+        return outputs
 
-    def _run_alone(self, layer_idx, num_states, hidden_states, kwargs, call, segment: Segment) -> torch.Tensor:
+    def _run_alone(
+        self, layer_idx, num_states, hidden_states, kwargs, call, segment: Segment
+    ) -> tuple[torch.Tensor, ...]:
         rows = torch.tensor([segment.row], device=self.pool.device)  # [1]
         cache, layer = rows_cache(self.pool, layer_idx, num_states, rows, continues=segment.prefix > 0)
         if segment.prefix == 0:  # HF's whole-sequence path, from its empty state
@@ -117,9 +122,10 @@ class StateStep:
         outputs = []
         for start, length in spans:
             span_kwargs = {name: _token_span(value, self.num_tokens, start, length) for name, value in kwargs.items()}
-            outputs.append(call(hidden_states[:, start : start + length], cache, span_kwargs)[0])  # [T, H]
+            span_outputs = call(hidden_states[:, start : start + length], cache, span_kwargs)
+            outputs.append(tuple(output[0] for output in span_outputs))  # each [T, ...]
         self._hold(layer_idx, rows, written_states(layer_idx, cache, layer))
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return outputs[0] if len(outputs) == 1 else tuple(torch.cat(parts) for parts in zip(*outputs))
 
     def _hold(self, layer_idx: int, rows: torch.Tensor, states: list[tuple[StateKey, torch.Tensor]]) -> None:
         self.pending.extend((key, rows, values) for key, values in states)

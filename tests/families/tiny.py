@@ -84,6 +84,23 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1},
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 1},
     "bamba": {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 1, "attn_layer_indices": [1]},
+    "minimax": {"block_size": 4},  # lightning attention's prefill runs in blocks: an 11-token prompt spans three
+    # its RG-LRU width follows the full model's hidden size; a window the probe's prompts cross
+    "recurrent_gemma": {"lru_width": 64, "attention_window_size": 8},
+    # sizes its config derives from the full model's hidden size (attention sees twice the hidden width: the
+    # hidden states beside the original embeddings), and the hybrid layer's index in the tiny layer list
+    "zamba2": {
+        "attention_hidden_size": 128,
+        "attention_head_dim": 32,
+        "mamba_headdim": 16,
+        "mamba_d_state": 16,
+        "num_query_groups": 4,
+        "hybrid_layer_ids": [1],
+        "chunk_size": 8,
+    },
+    # its block count follows the full model's; its cache rounds the query/key width up to a multiple of 64
+    # where its layers do not (the same for the hub's widths)
+    "xlstm": {"num_blocks": 2, "qk_dim_factor": 1.0},
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": (32, 32), "axial_pos_shape": (16, 16)},
     "deepseek_v2": {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 2},
 }
