@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -68,9 +69,7 @@ def test_the_command_runs_an_engine_of_two_ranks_and_writes_the_local_tp_folder(
         str(JOB["llm_kwargs"]["max_num_batched_tokens"]),
     ]
     argv += ["--on-error", "skip", "--quiet", "--ray", ray_address, "--engines", "1", "--tensor-parallel-size", "2"]
-    start = time.perf_counter()
     assert cli_main(argv) == 0  # accepted: --ray with --tensor-parallel-size is no longer refused
-    print(f"1 engine x 2 ranks on Ray: {time.perf_counter() - start:.1f} s")
     assert folder_hashes(out) == folder_hashes(local_tp_folder)
 
     single = tmp_path / "local-tp1"
@@ -102,12 +101,33 @@ def _kill_rank_before_the_first_range(killed: list[int]):
 def test_a_killed_rank_fails_its_range_and_ray_retries_it_on_a_new_group(
     ray_address, prompts_file, local_tp_folder, tmp_path
 ):
+    import ray
+
     killed: list[int] = []
-    executor = RayExecutor(num_engines=1, on_engines=_kill_rank_before_the_first_range(killed))
-    summary = nnrun.extract(MODEL, str(prompts_file), MODULES, tmp_path, executor=executor, **TP2_JOB)
+    seen: set[int] = set()  # every rank pid the engine reports while the job runs (the new group's too)
+    is_done = threading.Event()
+
+    def watch(engine) -> None:
+        while not is_done.is_set():
+            try:
+                seen.update(ray.get(engine.rank_pids.options(concurrency_group="control").remote(), timeout=30))
+            except ray.exceptions.RayError:
+                return  # the job ended and the engine was killed
+            time.sleep(0.1)
+
+    def on_engines(engines: list) -> None:
+        _kill_rank_before_the_first_range(killed)(engines)
+        threading.Thread(target=watch, args=(engines[0],), daemon=True).start()
+
+    executor = RayExecutor(num_engines=1, on_engines=on_engines)
+    try:
+        summary = nnrun.extract(MODEL, str(prompts_file), MODULES, tmp_path, executor=executor, **TP2_JOB)
+    finally:
+        is_done.set()
     assert summary.is_complete and killed
     assert folder_hashes(tmp_path) == folder_hashes(local_tp_folder)
-    assert _wait_gone(killed)
+    assert seen - set(killed), "the engine never reported its new group"
+    assert _wait_gone([*killed, *seen])  # no rank outlives its engine
 
 
 def test_a_killed_rank_without_retries_fails_the_job_naming_the_rank(ray_address, prompts_file, tmp_path):
@@ -140,15 +160,13 @@ def test_an_engine_no_node_can_hold_is_refused_by_name(ray_address, tmp_path):
 # Two engines of two ranks need 4 CPU slots: a cluster of its own in a driver process (this
 # process is already connected to the session's 2-slot cluster).
 TWO_BY_TWO = """
-import sys, time, ray
+import sys, ray
 sys.path.insert(0, {tests!r})
 from ray_helpers import JOB, MODEL, MODULES
 import nnrun
 ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING", log_to_driver=False)
 job = {{**JOB, "llm_kwargs": {{**JOB["llm_kwargs"], "tensor_parallel_size": 2, "tensor_parallel_timeout": 60}}}}
-start = time.perf_counter()
 summary = nnrun.extract(MODEL, {prompts!r}, MODULES, {out!r}, executor="ray", num_engines=2, **job)
-print(f"2 engines x 2 ranks on Ray: {{time.perf_counter() - start:.1f}} s")
 sys.exit(0 if summary.is_complete else 1)
 """
 
@@ -161,5 +179,4 @@ def test_two_engines_of_two_ranks_write_the_local_tp_folder(prompts_file, local_
         [sys.executable, "-c", textwrap.dedent(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    print(done.stdout.strip())
     assert folder_hashes(out) == folder_hashes(local_tp_folder)
