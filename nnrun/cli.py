@@ -41,11 +41,6 @@ def refuse_tensor_parallel(args: argparse.Namespace) -> str | None:
     """Why this command cannot run with `--tensor-parallel-size N` (None when it can)."""
     if args.tensor_parallel_size < 1:
         return f"--tensor-parallel-size must be a positive integer, got {args.tensor_parallel_size}"
-    if args.tensor_parallel_size > 1 and args.command == "extract" and getattr(args, "ray", None) is not None:
-        return (
-            f"--tensor-parallel-size {args.tensor_parallel_size} with --ray: engines of several ranks on Ray are "
-            "not built yet; run the job without --ray (one engine over N local ranks), or on Ray with 1"
-        )
     return None
 
 

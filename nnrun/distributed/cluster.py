@@ -1,4 +1,11 @@
-"""Ray plumbing for the executors: connect to a cluster, and start engine actors with Ray's fault tolerance."""
+"""Ray plumbing for the executors: connect to a cluster, and start engine actors with Ray's fault tolerance.
+
+An engine of N tensor-parallel ranks is one actor that holds N devices (N GPUs, or N times
+`cpus_per_engine` CPU slots) and spawns its ranks on its node: Ray decides which node each
+engine goes to, and an actor's resources always come from one node, so a group never spans
+nodes. That is deliberate: the ranks all-reduce twice per layer, which wants a node's own links
+(NVLink, or loopback for CPU ranks), and it keeps the rendezvous on the node's loopback.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ class RayExecutor:
     num_engines: int = 1
     address: str | None = None  # None: the connected cluster, else $RAY_ADDRESS, else a new local one
     verbose: bool = False  # a progress line per engine
-    cpus_per_engine: int = 1  # CPU engines: Ray CPU slots and torch threads (they shape CPU float results)
+    cpus_per_engine: int = 1  # CPU engines: Ray CPU slots and torch threads per rank (they shape CPU float results)
     max_restarts: int = 3  # Ray restarts a dead engine (a killed worker, a lost node) this many times
     max_task_retries: int = 3  # and re-runs the range it was running
     max_ranges_ahead: int | None = None  # ranges planned but not committed; None: 2 per engine
@@ -62,11 +69,37 @@ def uses_gpus(llm_kwargs: dict[str, Any]) -> bool:
     return device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
 
 
-def start_engines(engine_class: type, spec: Any, executor: RayExecutor, has_gpus: bool) -> list[Any]:
-    """`executor.num_engines` actors of `engine_class(spec)`: one GPU each, or `cpus_per_engine` CPU slots."""
+def engine_resources(executor: RayExecutor, has_gpus: bool, tensor_parallel_size: int) -> dict[str, int]:
+    """What one engine actor holds: a GPU per rank, or `cpus_per_engine` CPU slots per rank."""
+    if has_gpus:
+        return {"num_gpus": tensor_parallel_size, "num_cpus": 1}
+    return {"num_cpus": executor.cpus_per_engine * tensor_parallel_size}
+
+
+def check_a_node_fits(resources: dict[str, int], tensor_parallel_size: int) -> None:
+    """Refuse an engine that no node of the cluster can hold (Ray would leave it pending forever)."""
     import ray
 
-    resources = {"num_gpus": 1, "num_cpus": 1} if has_gpus else {"num_cpus": executor.cpus_per_engine}
+    names = {"num_gpus": "GPU", "num_cpus": "CPU"}
+    nodes = [node["Resources"] for node in ray.nodes() if node["Alive"]]
+    for key, amount in resources.items():
+        largest = max((node.get(names[key], 0) for node in nodes), default=0)
+        if largest < amount:
+            raise ValueError(
+                f"an engine of tensor_parallel_size={tensor_parallel_size} holds {amount} {names[key]} on one "
+                f"node (its ranks share a node), and the largest node of the Ray cluster has {largest:g}: "
+                "lower tensor_parallel_size (or cpus_per_engine), or add a larger node"
+            )
+
+
+def start_engines(
+    engine_class: type, spec: Any, executor: RayExecutor, has_gpus: bool, tensor_parallel_size: int = 1
+) -> list[Any]:
+    """`executor.num_engines` actors of `engine_class(spec)`, each holding `engine_resources` on one node."""
+    import ray
+
+    resources = engine_resources(executor, has_gpus, tensor_parallel_size)
+    check_a_node_fits(resources, tensor_parallel_size)
     actor_class = ray.remote(concurrency_groups={"control": 1})(engine_class).options(
         max_restarts=executor.max_restarts, max_task_retries=executor.max_task_retries, **resources
     )

@@ -4,6 +4,12 @@ The actor holds the same `ExtractionJob` a single-process run builds, so a range
 shard) goes through the same forward batches in the same order and comes out as the same rows.
 It keeps no state between ranges that shapes the rows, so Ray may restart it and retry a range
 at any point (a killed worker, a lost node) and the range comes out the same.
+
+With `tensor_parallel_size` N > 1 the engine is a tensor-parallel front end: it spawns its N
+rank processes on its own node, exactly as a single-process job does (the actor holds the N
+devices, see cluster.py). A rank that dies, hangs or raises fails the range with the group's
+`TensorParallelError` naming the rank; the engine then starts a new group before its next range,
+so Ray's retry of the range (`retry_exceptions`, executor.py) runs it on fresh ranks.
 """
 
 from __future__ import annotations
@@ -73,16 +79,29 @@ class ExtractionEngine:
 
     def __init__(self, spec: EngineSpec) -> None:
         if spec.num_threads is not None:
-            torch.set_num_threads(spec.num_threads)
-        self.llm, _ = as_llm(spec.model, spec.tokenizer, spec.llm_kwargs, progress=False)
-        # The engine reads no input: the driver does, and sends each range's token ids.
-        source = PromptSource("iterable", "prompts", spec.text_field, spec.limit, lambda: iter(()))
-        self.job = ExtractionJob(self.llm, source, spec.modules, Path(os.devnull), spec.options)
+            torch.set_num_threads(spec.num_threads)  # with N ranks, each rank gets 1/N of them (RankGroup)
+        self.spec = spec
+        self._build()
         self._current: int | None = None  # the range being run, for status()
         # Counts of the current range, bumped by run_shard after each forward (two int additions, no
         # call out of the process): the driver polls them on the control thread to move its bars.
         self._progress = Progress(False, None)
         self._lock = threading.Lock()
+
+    def _build(self) -> None:
+        """The engine and its job (with N > 1 ranks, this spawns them on this node)."""
+        spec = self.spec
+        self.llm, _ = as_llm(spec.model, spec.tokenizer, spec.llm_kwargs, progress=False)
+        # The engine reads no input: the driver does, and sends each range's token ids.
+        source = PromptSource("iterable", "prompts", spec.text_field, spec.limit, lambda: iter(()))
+        self.job = ExtractionJob(self.llm, source, spec.modules, Path(os.devnull), spec.options)
+
+    def _replace_failed_group(self) -> None:
+        """A tensor-parallel group that failed (its ranks are already stopped) is replaced by a new one."""
+        if self.llm.runner.failure() is None:
+            return
+        self.llm.shutdown()
+        self._build()
 
     def describe(self) -> JobDescription:
         return JobDescription(
@@ -95,6 +114,7 @@ class ExtractionEngine:
         Called with `num_returns=2`: the driver waits on the small RangeInfo while the rows stay
         in Ray's object store (which spills to disk) until their turn to be committed.
         """
+        self._replace_failed_group()  # this call may be Ray's retry of the range a rank failed
         progress = Progress(False, None)
         with self._lock:
             self._current, self._progress = number, progress
@@ -117,6 +137,11 @@ class ExtractionEngine:
             if self._current is None:
                 return None
             return RangeProgress(self._current, self._progress.num_prompts, self._progress.num_tokens)
+
+    def rank_pids(self) -> list[int]:
+        """The pids of this engine's tensor-parallel ranks (none with one device); a control-group call."""
+        group = getattr(self.llm.runner, "group", None)
+        return [] if group is None else [process.pid for process in group.processes]
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -10,7 +10,9 @@ always a prefix of the single-process folder (a killed driver resumes like a kil
 complete, it is that folder byte for byte, whatever the number of engines.
 
 Faults are Ray's: an engine whose process dies is restarted (`max_restarts`) and the range it was
-running is sent again (`max_task_retries`). Nothing here retries by hand.
+running is sent again (`max_task_retries`). An engine of N tensor-parallel ranks whose group fails
+(a rank died, hung or raised) raises `TensorParallelError`, which Ray retries the same way
+(`retry_exceptions`) on the engine's new group. Nothing here retries by hand.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from nnrun.extract.manifest import Manifest, settings_diff
 from nnrun.extract.plan import HashedRecords, ShardPlan, plan_shards
 from nnrun.extract.prepare import prepare_prompts
 from nnrun.extract.progress import ExtractionSummary
+from nnrun.tp.group import TensorParallelError
 
 if TYPE_CHECKING:
     from nnrun.extract.executors import ExtractionRequest
@@ -80,6 +83,7 @@ def extract_on_ray(request: ExtractionRequest, executor: RayExecutor) -> Extract
     engines: list[Any] = []
     try:
         has_gpus = uses_gpus(llm_kwargs or {})
+        tp_size = (llm_kwargs or {}).get("tensor_parallel_size", 1)
         spec = EngineSpec(
             model,
             tokenizer,
@@ -88,13 +92,15 @@ def extract_on_ray(request: ExtractionRequest, executor: RayExecutor) -> Extract
             options,
             source.text_field,
             source.limit,
-            num_threads=None if has_gpus else executor.cpus_per_engine,
+            num_threads=None if has_gpus else executor.cpus_per_engine * tp_size,  # cpus_per_engine per rank
         )
-        engines = start_engines(ExtractionEngine, spec, executor, has_gpus)
+        engines = start_engines(ExtractionEngine, spec, executor, has_gpus, tp_size)
         if executor.on_engines is not None:
             executor.on_engines(list(engines))
         description = _describe(engines)
-        driver = RangeDriver(engines, description, out_dir, options, executor.window, executor.poll_interval_s)
+        driver = RangeDriver(
+            engines, description, out_dir, options, executor.window, executor.poll_interval_s, executor.max_task_retries
+        )
         make_progress = partial(EngineProgress, num_engines=len(engines), verbose=executor.verbose)
         return run_in_folder(
             out_dir, description.settings, description.model_info, source, options, driver.extract_rest, make_progress
@@ -145,6 +151,7 @@ class RangeDriver:
         options: ExtractionOptions,
         window: int,
         poll_interval_s: float,
+        max_task_retries: int = 0,
     ) -> None:
         self.engines = engines
         self.description = description
@@ -152,6 +159,7 @@ class RangeDriver:
         self.options = options
         self.window = window
         self.poll_interval_s = poll_interval_s
+        self.max_task_retries = max_task_retries  # for the message of a range that failed for good
 
     def extract_rest(self, manifest: Manifest, records: HashedRecords, progress: EngineProgress) -> None:
         """Extract the input from `records` (positioned at `manifest.num_consumed`) to its end."""
@@ -188,9 +196,10 @@ class RangeDriver:
                 item = PendingRange(number, plan, records.commit(plan.end), is_done=not plan.prompts)
                 if plan.prompts:
                     engine = idle.pop(0)
-                    item.info_ref, item.rows_ref = (
-                        self.engines[engine].run_range.options(num_returns=2).remote(number, plan.prompts)
+                    run_range = self.engines[engine].run_range.options(
+                        num_returns=2, retry_exceptions=[TensorParallelError]
                     )
+                    item.info_ref, item.rows_ref = run_range.remote(number, plan.prompts)
                     running[item.info_ref] = (engine, item)
                     progress.range_started(number)
                 pending.append(item)
@@ -210,12 +219,25 @@ class RangeDriver:
                 if ref not in running:
                     continue  # a poll's answer, counted above
                 engine, item = running.pop(ref)
-                info = ray.get(ref)  # raises the range's failure once Ray's retries are spent
+                info = self._range_info(ref, engine, item.number)
                 idle.append(engine)
                 item.is_done = True
                 progress.range_done(
                     engine, item.number, len(item.plan.prompts), item.plan.num_tokens, info.pid, info.elapsed_s
                 )
+
+    def _range_info(self, ref: Any, engine: int, number: int) -> Any:
+        """The finished range's RangeInfo; raises the range's failure once Ray's retries are spent."""
+        import ray
+
+        try:
+            return ray.get(ref)
+        except TensorParallelError as error:  # Ray's RayTaskError(TensorParallelError): name where it happened
+            cause = getattr(error, "cause", error)
+            raise TensorParallelError(
+                f"engine {engine} failed range {number} after {self.max_task_retries} retries on new "
+                f"tensor-parallel groups: {cause}"
+            ) from error
 
     def _commit(self, item: PendingRange, committer: ShardCommitter, progress: EngineProgress) -> None:
         import ray

@@ -82,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="engine actors with --ray (one GPU each where the cluster has GPUs; default 1)",
+        help="engine actors with --ray (one GPU each where the cluster has GPUs; default 1); with "
+        "--tensor-parallel-size N each engine holds N GPUs on one node and spawns its N ranks there",
     )
     scale.add_argument(
         "--verbose",

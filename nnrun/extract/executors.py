@@ -104,9 +104,4 @@ def extract(
     options = ExtractionOptions(positions, dtype, max_length, truncate, on_error, shard_tokens, resume, progress)
     source = open_prompts(prompts, text_field=text_field, limit=limit)
     runner = as_executor(executor, num_engines, ray_address, verbose)
-    if not isinstance(runner, LocalExecutor) and (llm_kwargs or {}).get("tensor_parallel_size", 1) > 1:
-        raise ValueError(
-            "tensor_parallel_size > 1 runs one engine over local ranks; engines of several ranks on Ray are not "
-            "built yet: extract without an executor, or on Ray with tensor_parallel_size=1"
-        )
     return runner.run(ExtractionRequest(model, tokenizer, llm_kwargs, source, modules, Path(out_dir), options))

@@ -5,7 +5,6 @@ import torch
 
 import nnrun
 from nnrun import LLM
-from nnrun.cli import main as cli_main
 from nnrun.config import EngineConfig
 
 pytestmark = pytest.mark.slow
@@ -55,12 +54,6 @@ def test_a_runner_without_a_tensor_parallel_front_end_is_refused_by_name():
         from interleaver.runner import NNsightGPUModelRunner
 
         LLM("tiny-facts", tensor_parallel_size=2, runner_cls=NNsightGPUModelRunner)
-
-
-def test_extract_on_ray_refuses_engines_of_several_ranks_by_name(capsys):
-    command = ["extract", "--model", "tiny-facts", "--out", "x", "--ray", "--tensor-parallel-size", "2"]
-    assert cli_main(command) == 2
-    assert "engines of several ranks on Ray are not built yet" in capsys.readouterr().err
 
 
 def test_devices_other_than_cpu_or_all_gpus_are_refused():
