@@ -39,7 +39,7 @@ class HFForward:
         self.model = model
         self.device = device
         params = inspect.signature(model.forward).parameters
-        self._takes = set(params)
+        self.takes = set(params)
         self.cache_argument: str | None = None  # learned from the first forward's output
         self.keeps_cache = True  # until a forward shows the model returns no cache
         self.caches: dict[str, RequestCache] = {}
@@ -109,13 +109,13 @@ class HFForward:
             kwargs["position_ids"] = torch.arange(num_cached, num_cached + input_ids.shape[1], device=self.device)[None]
         if output_attentions:
             kwargs["output_attentions"] = True
-        if "use_cache" in self._takes:
+        if "use_cache" in self.takes:
             kwargs["use_cache"] = self.keeps_cache
-        elif "use_mems" in self._takes:
+        elif "use_mems" in self.takes:
             kwargs["use_mems"] = self.keeps_cache
         if cache is not None:
             kwargs[self.cache_argument] = cache
-        if logits_indices is not None and "logits_to_keep" in self._takes:
+        if logits_indices is not None and "logits_to_keep" in self.takes:
             kwargs["logits_to_keep"] = logits_indices
         output = self.model(**kwargs)
         if self.cache_argument is None and self.keeps_cache:
@@ -124,7 +124,7 @@ class HFForward:
 
     def _learn_cache_argument(self, output: Any) -> None:
         for argument in CACHE_ARGUMENTS:
-            if getattr(output, argument, None) is not None and argument in self._takes:
+            if getattr(output, argument, None) is not None and argument in self.takes:
                 self.cache_argument = argument
                 return
         self.keeps_cache = False  # HF returned no cache it can take back: every step runs the whole sequence

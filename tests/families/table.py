@@ -42,14 +42,20 @@ tokens of each. What each outcome means:
 
 The probe runs at every engine start, for any model (not only these families): three short prompts
 packed in one step and then one decode step each, against the model's own HF forward of each
-prompt alone with HF's own cache, compared relative to the logits' magnitude (1e-3 in fp32, 2e-2
-in half precision). A model that differs never serves from the packed path. A sliding window or
-attention chunk of up to 64 tokens gets a probe prompt that crosses it; longer ones are not crossed
-by the probe (nnrun's own tests cover how the packed path applies them). In half precision the probe
-cannot tell a difference under 2% of the logits' magnitude from rounding: on a tiny random Llama
-that ignores its position ids, the wrong decode positions moved bf16 logits by 1.2% and the probe
-let it through, while in fp32 (the default on CPU) it resolves 0.1% and sends that model to the
-exact path; on GPU the half-precision tolerance is untested. `LLM(...,
+prompt alone with HF's own cache, compared relative to the logits' magnitude. The model is checked
+on the pure-torch attention backend first (1e-3 in fp32; in half precision 2e-2, or three times how
+far HF's own logits move when it runs the same prompts as one right-padded batch, whichever is
+larger), then on the configured kernels (FlashInfer on CUDA: 6e-2 in half precision, since two
+half-precision kernels round apart by about what half precision is off fp32). A model that differs
+never serves from the packed path. A sliding window or attention chunk of up to 64 tokens gets a
+probe prompt that crosses it; longer ones are not crossed by the probe (nnrun's own tests cover how
+the packed path applies them). In half precision the probe cannot tell a difference below the
+model's own rounding from an error: on a tiny random Llama that ignores its position ids, the wrong
+decode positions moved bf16 logits by 1.2% and the probe let it through, while in fp32 (the default
+on CPU) it resolves 0.1% and sends that model to the exact path. On an H100 in bf16, random-weight
+Llama shapes rounded this much: the 1B shape's HF batch rounding was 0 (bound 2e-2) and FlashInfer's
+decode 2.0% off HF (kernel bound 6e-2); the 8B shape's HF batch rounding was 4.1-4.7% (bound 0.14);
+both stay packed. `LLM(...,
 forward_path="exact")` (or `nnrun.LanguageModel(..., forward_path="exact")`) puts any model on the
 exact path.
 

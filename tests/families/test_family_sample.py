@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+import nnrun
 from families.sweep import check_family
+from families.test_exact_path import tiny_llama
 
 # One family per way a model can meet nnrun: attention on transformers' interface (llama), attention
 # sinks (gpt_oss), attention outside the interface routed by nnrun/attention/classic (gptj), positions
 # numbered from an offset
 # (roberta); below, a state-space model (mamba) and a hybrid of linear attention and attention
-# (qwen3_next), both packed over the state pool; a recurrent model the state pool does not serve
-# (rwkv keeps its own `state`) and a hybrid whose recurrent block is its own code (recurrent_gemma),
-# both exact; and a model whose own HF forward fails without a setting a user must make first
-# (xmod's language), each with what it must say.
+# (qwen3_next), both packed over the state pool, and a recurrent model keeping its state on the module
+# (rwkv), packed too; a model whose attention is its own code nnrun does not route (xlnet) and a hybrid
+# whose mixer nnrun does not know, both exact; and a model whose own HF forward fails without a setting
+# a user must make first (xmod's language), each with what it must say.
 SAMPLE = ("llama", "gpt_oss", "gptj", "roberta")
 
 
@@ -29,8 +32,12 @@ def test_a_state_space_model_runs_packed_over_the_state_pool():
     assert check_family("mamba").path == "packed"
 
 
-def test_a_model_without_attention_the_state_pool_does_not_serve_runs_exact_instead_of_crashing():
-    result = check_family("rwkv")
+def test_a_recurrent_model_keeping_its_state_on_the_module_runs_packed_over_the_state_pool():
+    assert check_family("rwkv").path == "packed"
+
+
+def test_a_model_whose_attention_is_its_own_code_runs_exact_instead_of_crashing():
+    result = check_family("xlnet")
     assert result.path == "exact"
     assert "no layer calls transformers' attention interface" in result.detail
 
@@ -45,8 +52,18 @@ def test_a_hybrid_of_linear_attention_and_attention_runs_packed():
     assert check_family("qwen3_next").path == "packed"
 
 
-def test_a_hybrid_the_state_pool_does_not_serve_runs_exact_with_the_right_reason():
-    result = check_family("recurrent_gemma")  # its recurrent block keeps no state in HF's cache API
-    assert result.path == "exact"
-    assert "do not call transformers' attention interface (state-space, linear-attention" in result.detail
-    assert "shared-KV" not in result.detail
+class OwnMixer(torch.nn.Module):
+    """A token mixer of a model's own code (a causal running mean), not on transformers' attention interface."""
+
+    def forward(self, hidden_states, **kwargs):
+        counts = torch.arange(1, hidden_states.shape[1] + 1, device=hidden_states.device)[None, :, None]
+        return hidden_states.cumsum(dim=1) / counts, None
+
+
+def test_a_hybrid_whose_mixer_the_state_pool_does_not_know_runs_exact_with_the_right_reason():
+    model = tiny_llama()
+    model.model.layers[0].self_attn = OwnMixer()  # every hybrid in transformers 5.23 is served; this one is not
+    with nnrun.LLM(model) as llm:
+        reason = llm.runner.exact_forward.reason
+    assert "do not call transformers' attention interface (state-space, linear-attention" in reason
+    assert "shared-KV" not in reason
