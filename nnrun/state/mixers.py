@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import inspect
 import types
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
 from nnrun.attention.context import current_state_step
+from nnrun.inner_modules import inner_modules_unseen
 from nnrun.state.bridges import OWN_WAYS, Bridge, HFCache
 
 _ADAPTED = "_nnrun_state_mixer"  # MixerInfo on an adapted module: the pass runs once per model object
@@ -103,7 +102,7 @@ def _mixer_forward(self: torch.nn.Module, hidden_states: torch.Tensor, *args, **
         num_returned[:] = [len(output)]
         return output[: info.num_token_outputs]
 
-    with _inner_modules_unseen(self):
+    with inner_modules_unseen(self, "mixer", info.layer_idx, "once per request"):
         outputs = step.run_mixer(info.layer_idx, info.num_states, hidden_states, kwargs, call)
     if not num_returned:
         return outputs[0]
@@ -119,38 +118,6 @@ def _by_name(mixer: torch.nn.Module, args: tuple, kwargs: dict) -> dict:
     if len(args) > len(names):
         raise TypeError(f"{type(mixer).__name__} was called with {len(args)} positional arguments after hidden_states")
     return {**dict(zip(names, args)), **kwargs}
-
-
-@contextmanager
-def _inner_modules_unseen(mixer: torch.nn.Module) -> Iterator[None]:
-    """Inside a packed step, the modules within a mixer (its projections, conv, norm) are nobody's to watch.
-
-    They run once per request or decode batch, on `[1, T_i, ...]` or `[B, 1, ...]` values, not once
-    on the step's `[1, N, ...]`: an intervention or hook there would be handed another request's
-    values, or its own at a later step. So the per-instance `forward` wrappers an interpreter such
-    as nnsight installs are set aside while the mixer runs (a read there is never served, and the
-    trace says so), and a torch hook on them is refused with the reason. The mixer's own input and
-    output stay each request's, `[1, N, H]` flat.
-    """
-    inner = [module for module in mixer.modules() if module is not mixer]
-    hooked = [type(m).__name__ for m in inner if m._forward_hooks or m._forward_pre_hooks]
-    if hooked:
-        raise RuntimeError(
-            f"hooks on {hooked} inside {type(mixer).__name__} (layer {getattr(mixer, _ADAPTED).layer_idx}): on nnrun's packed path a "
-            "mixer layer runs its modules once per request, so they never see the step's [1, N, ...] values; hook "
-            "the mixer itself, or load the model with forward_path='exact'"
-        )
-    # accelerate's own wrapper (`_hf_hook`: device placement of offloaded weights) must keep running
-    set_aside = [
-        (module, module.__dict__.pop("forward"))
-        for module in inner
-        if "forward" in module.__dict__ and not hasattr(module, "_hf_hook")
-    ]
-    try:
-        yield
-    finally:
-        for module, forward in set_aside:
-            module.__dict__["forward"] = forward
 
 
 def adapted_mixer_layer_ids(model: torch.nn.Module) -> frozenset[int]:

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import inspect
 import types
-from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
 from nnrun.attention.context import current_backend, current_indexer_step
 from nnrun.attention.indexer.keys import IndexerInfo
 from nnrun.attention.masks import allowed_keys
+from nnrun.inner_modules import inner_modules_unseen
 
 _ADAPTED = "_nnrun_indexer"  # IndexerInfo on an adapted indexer: the pass runs once per model object
 _MASK_ADAPTED = "_nnrun_indexed_attention"  # on an adapted attention module
@@ -115,36 +114,5 @@ def _indexer_forward(
         return hf_forward(self, hidden_states, q_resid, position_embeddings, causal, position_ids, None)
     if hidden_states.shape[0] != 1:
         raise RuntimeError(f"a packed step's indexer input is [1, N, H], got {tuple(hidden_states.shape)}")
-    with _inner_modules_unseen(self):
+    with inner_modules_unseen(self, "indexer", self.layer_idx, "once per group of requests"):
         return step.run(self, hf_forward, hidden_states, q_resid, position_embeddings, position_ids)
-
-
-@contextmanager
-def _inner_modules_unseen(indexer: torch.nn.Module) -> Iterator[None]:
-    """Inside a packed step, the modules within an indexer (its projections, norm) are nobody's to watch.
-
-    They run once per group of requests, on `[G, n, ...]` values, not once on the step's
-    `[1, N, ...]`: a hook there would be handed other requests' rows in HF's batch layout. So the
-    per-instance `forward` wrappers an interpreter such as nnsight installs are set aside while the
-    indexer runs, and a torch hook on them is refused with the reason. The indexer's own input and
-    output stay the step's `[1, N, ...]`, each request's rows its own.
-    """
-    inner = [module for module in indexer.modules() if module is not indexer]
-    hooked = [type(m).__name__ for m in inner if m._forward_hooks or m._forward_pre_hooks]
-    if hooked:
-        raise RuntimeError(
-            f"hooks on {hooked} inside {type(indexer).__name__} (layer {indexer.layer_idx}): on nnrun's packed path "
-            "an indexer runs its modules once per group of requests, so they never see the step's [1, N, ...] "
-            "values; hook the indexer itself, or load the model with forward_path='exact'"
-        )
-    # accelerate's own wrapper (`_hf_hook`: device placement of offloaded weights) must keep running
-    set_aside = [
-        (module, module.__dict__.pop("forward"))
-        for module in inner
-        if "forward" in module.__dict__ and not hasattr(module, "_hf_hook")
-    ]
-    try:
-        yield
-    finally:
-        for module, forward in set_aside:
-            module.__dict__["forward"] = forward
