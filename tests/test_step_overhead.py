@@ -11,7 +11,7 @@ import nnrun
 from model_zoo import make_model, make_twin, random_prompts
 from nnrun import forward_batch
 from nnrun.attention import ATTN_IMPLEMENTATION
-from nnrun.attention.torch_backend import _extend_groups
+from nnrun.attention.step_layout import extend_groups
 from nnrun.forward_batch import ForwardMode
 from tolerance import assert_close_packed
 
@@ -118,7 +118,7 @@ def test_adjacent_equal_prompts_attend_in_one_ungathered_call_and_match_solo_run
         reqs = [llm.make_request(p, GREEDY) for p in prompts]
         for req in reqs:
             llm.runner._hold_kv(req)
-        groups = _extend_groups(llm.runner.prepare_forward_batch_extend(reqs), torch.device("cpu"))
+        groups = extend_groups(llm.runner.prepare_forward_batch_extend(reqs), torch.device("cpu"))
         assert [(g.size, g.token_indices is None) for g in groups] == [(4, True), (1, True)]
         for req in reqs:
             llm.runner.release_kv(req)

@@ -9,36 +9,15 @@ import torch.nn.functional as F
 
 from nnrun.attention.base import AttentionBackend
 from nnrun.attention.masks import alibi_bias, allowed_keys, selected_keys
+from nnrun.attention.step_layout import ExtendGroup, extend_groups, padded_decode_slots
 from nnrun.forward_batch import ForwardBatch, ForwardMode
-
-
-@dataclass
-class _ExtendGroup:
-    """Requests of one shape (prefix length, new tokens): attended in one batched kernel call."""
-
-    prefix_len: int
-    q_len: int
-    q_starts: list[int]  # where each request's new tokens start in the flat batch
-    # [G * q_len] int64 the group's new tokens; None when they are adjacent in the flat batch (one
-    # request, or equal prompts traced together), which is then sliced and viewed, never gathered.
-    token_indices: torch.Tensor | None
-    kv_slots: torch.Tensor | None  # [G, prefix_len + q_len] int64; None when the KV is all this step's
-
-    @property
-    def token_span(self) -> slice:
-        """The group's tokens when they are adjacent: request i at `start + i * q_len`."""
-        return slice(self.q_starts[0], self.q_starts[0] + self.size * self.q_len)
-
-    @property
-    def size(self) -> int:
-        return len(self.q_starts)
 
 
 @dataclass
 class _TorchMetadata:
     out_cache_loc: torch.Tensor  # [N]
     mode: ForwardMode
-    extend_groups: list[_ExtendGroup]
+    extend_groups: list[ExtendGroup]
     decode_slots: torch.Tensor | None  # [B, max_seq_len] int64 (padding points at the pool's zero page)
     decode_seq_lens: torch.Tensor | None  # [B] int64
     # Decode masks by (sliding window, chunk size) (None, None: full causal), built by the first layer
@@ -64,12 +43,12 @@ class TorchAttnBackend(AttentionBackend):
         out_cache_loc = forward_batch.out_cache_loc.to(self.device)
         if forward_batch.forward_mode is ForwardMode.DECODE:
             seq_lens = torch.tensor(forward_batch.seq_lens, dtype=torch.int64)  # [B]
-            padded = _padded_decode_slots(forward_batch, seq_lens, self.kv_pool.zero_slot)  # [B, max_len]
+            padded = padded_decode_slots(forward_batch, seq_lens, self.kv_pool.zero_slot)  # [B, max_len]
             self.metadata = _TorchMetadata(
                 out_cache_loc, ForwardMode.DECODE, [], padded.to(self.device), seq_lens.to(self.device)
             )
             return
-        groups = _extend_groups(forward_batch, self.device)
+        groups = extend_groups(forward_batch, self.device)
         self.metadata = _TorchMetadata(out_cache_loc, ForwardMode.EXTEND, groups, None, None)
 
     def forward(
@@ -167,21 +146,6 @@ class TorchAttnBackend(AttentionBackend):
         return out[:, 0]
 
 
-def _padded_decode_slots(forward_batch: ForwardBatch, seq_lens: torch.Tensor, zero_slot: int) -> torch.Tensor:
-    """[B, max_seq_len] int64 slots of each request's KV, padded with the pool's zero slot.
-
-    Padding reads the zero page, never another request's or a freed page's KV (0 * NaN is NaN).
-    """
-    table = forward_batch.kv_slot_table
-    if table is not None:  # the request table's rows, read once: mask what lies past each request's end
-        past_end = torch.arange(table.shape[1]) >= seq_lens[:, None]  # [B, max_len]
-        return table.masked_fill(past_end, zero_slot)
-    padded = torch.full((len(seq_lens), int(seq_lens.max())), zero_slot, dtype=torch.int64)  # [B, max_len]
-    for row, slots in enumerate(forward_batch.kv_slots):
-        padded[row, : slots.numel()] = slots
-    return padded
-
-
 def _decode_mask(
     seq_lens: torch.Tensor, kv_len: int, sliding_window: int | None, chunk_size: int | None
 ) -> torch.Tensor:
@@ -189,24 +153,6 @@ def _decode_mask(
     kv_pos = torch.arange(kv_len, device=seq_lens.device)[None, :]  # [1, L]
     q_pos = (seq_lens - 1)[:, None]  # [B, 1]
     return allowed_keys(q_pos, kv_pos, sliding_window, chunk_size)[:, None, None, :]
-
-
-def _extend_groups(forward_batch: ForwardBatch, device: torch.device) -> list[_ExtendGroup]:
-    """The step's requests grouped by (prefix length, new tokens), in order of first appearance."""
-    by_shape: dict[tuple[int, int], list[int]] = {}
-    for row, shape in enumerate(zip(forward_batch.prefix_lens, forward_batch.extend_seq_lens)):
-        by_shape.setdefault(shape, []).append(row)
-    groups = []
-    for (prefix_len, q_len), rows in by_shape.items():
-        starts = [forward_batch.extend_start_loc[row] for row in rows]
-        token_indices = None
-        if starts != list(range(starts[0], starts[0] + len(rows) * q_len, q_len)):
-            token_indices = (torch.tensor(starts)[:, None] + torch.arange(q_len)).flatten().to(device)  # [G * n]
-        kv_slots = None
-        if prefix_len > 0:
-            kv_slots = torch.stack([forward_batch.kv_slots[row] for row in rows]).to(device)  # [G, L]
-        groups.append(_ExtendGroup(prefix_len, q_len, starts, token_indices, kv_slots))
-    return groups
 
 
 def _attend(q, k, v, prefix_len, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes=None, picks=None):

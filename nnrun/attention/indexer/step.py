@@ -22,7 +22,7 @@ import torch
 from nnrun.attention.context import indexer_step_context
 from nnrun.attention.indexer.keys import IndexerKeyPool
 from nnrun.attention.masks import allowed_keys
-from nnrun.attention.torch_backend import _extend_groups, _ExtendGroup, _padded_decode_slots
+from nnrun.attention.step_layout import ExtendGroup, extend_groups, padded_decode_slots
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 
 NO_KEY = -1  # a pick that names no key: past a request's own keys (its rows are padded to the step's widest)
@@ -53,7 +53,7 @@ class IndexerStep:
     pool: IndexerKeyPool
     mode: ForwardMode
     out_cache_loc: torch.Tensor  # [N] int64 on the device
-    extend_groups: list[_ExtendGroup]
+    extend_groups: list[ExtendGroup]
     decode_slots: torch.Tensor | None = None  # [B, L] int64, padding at the zero slot
     decode_seq_lens: torch.Tensor | None = None  # [B] int64
 
@@ -62,9 +62,9 @@ class IndexerStep:
         out_cache_loc = forward_batch.out_cache_loc.to(device)
         if forward_batch.forward_mode is ForwardMode.DECODE:
             seq_lens = torch.tensor(forward_batch.seq_lens, dtype=torch.int64)  # [B]
-            slots = _padded_decode_slots(forward_batch, seq_lens, pool.zero_slot)  # [B, L]
+            slots = padded_decode_slots(forward_batch, seq_lens, pool.zero_slot)  # [B, L]
             return cls(pool, ForwardMode.DECODE, out_cache_loc, [], slots.to(device), seq_lens.to(device))
-        return cls(pool, ForwardMode.EXTEND, out_cache_loc, _extend_groups(forward_batch, device))
+        return cls(pool, ForwardMode.EXTEND, out_cache_loc, extend_groups(forward_batch, device))
 
     def run(
         self,
@@ -105,7 +105,7 @@ class IndexerStep:
         return picks.masked_fill(past_end, NO_KEY).transpose(0, 1)  # [1, B, K]
 
 
-def _group_rows(x: torch.Tensor, group: _ExtendGroup) -> torch.Tensor:
+def _group_rows(x: torch.Tensor, group: ExtendGroup) -> torch.Tensor:
     """A `[1, N, ...]` step tensor's rows of one group, as HF's `[G, n, ...]` batch."""
     if group.token_indices is None:
         rows = x[:, group.token_span]
@@ -114,7 +114,7 @@ def _group_rows(x: torch.Tensor, group: _ExtendGroup) -> torch.Tensor:
     return rows.reshape(group.size, group.q_len, *x.shape[2:])
 
 
-def _group_token_indices(group: _ExtendGroup, device: torch.device) -> torch.Tensor:
+def _group_token_indices(group: ExtendGroup, device: torch.device) -> torch.Tensor:
     if group.token_indices is not None:
         return group.token_indices
     span = group.token_span
