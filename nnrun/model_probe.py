@@ -93,6 +93,12 @@ def probe_attention_layers(
     with forward_context(probe), torch.no_grad():
         model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=1)
     layer_ids = [call.layer_idx for call in probe.calls]
+    if not all(isinstance(layer_idx, int) for layer_idx in layer_ids):
+        raise ValueError(
+            "an attention module has no layer index of its own (layer_idx=None: one attention block shared by "
+            "several layers, each passing its own cache index at call time, as Zamba's): the packed path pages "
+            "one KV cache per attention module's layer_idx"
+        )
     served = sorted(set(layer_ids) | kv_free_layer_ids)
     if len(set(layer_ids)) != len(layer_ids) or served != list(range(len(served))):
         raise ValueError(f"the packed path pages one KV cache per attention call: {_layer_mismatch(layer_ids)}")
