@@ -115,15 +115,16 @@ def refuse_sparse_attention_indexers(model: torch.nn.Module) -> None:
     """Sparse attention the packed path cannot serve, refused by name.
 
     DSA indexers (DeepSeek-V3.2's and its kin) run per request (nnrun/attention/indexer, adapted at
-    load). Any other indexer picks keys its own way; DeepSeek-V4's scores compressed blocks of keys
-    that a compressor builds, with state carried between forwards, which no packed step keeps.
+    load). Any other indexer picks keys its own way, by scoring blocks of keys: DeepSeek-V4's blocks
+    are built by a compressor whose state is carried between forwards, which no packed step keeps;
+    Qwen4-Exp's QSA averages its own keys in blocks, query by query, and picks whole blocks.
     """
     unserved = unserved_indexers(model)
     if unserved:
         raise ValueError(
             f"{unserved[0]} is a sparse-attention indexer that does not pick from per-token keys of its own "
-            "(DeepSeek-V4's scores compressed key blocks, with compressor state kept between forwards), "
-            "which the packed path does not run"
+            "(it scores compressed key blocks: DeepSeek-V4's with compressor state kept between forwards, "
+            "Qwen4-Exp's QSA pooled per query from its own keys), which the packed path does not run"
         )
 
 

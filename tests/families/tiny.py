@@ -104,8 +104,9 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "xlstm": {"num_blocks": 2, "qk_dim_factor": 1.0},
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": (32, 32), "axial_pos_shape": (16, 16)},
     "deepseek_v2": {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 2},
-    # its checkpoints give RoPE per layer kind (Cohere 2's pattern: RoPE on sliding layers, none on full ones)
-    # with M-RoPE sections summing to half the head width; a window the probe's prompts cross
+    # its code reads RoPE settings per layer kind, which its default config leaves empty: here Cohere 2's
+    # pattern (RoPE on sliding layers, none on full ones), M-RoPE sections summing to half the head width,
+    # and a window the probe's prompts cross
     "cohere_compass_text": {
         "layer_types": ["sliding_attention", "full_attention"],
         "sliding_window": 8,
@@ -270,7 +271,11 @@ def causal_lm_families() -> list[str]:
 
 
 def tiny_config(model_type: str) -> PretrainedConfig:
-    """The family's default config, shrunk to a few layers, small widths and a 128-token vocabulary."""
+    """The family's config at tiny sizes: a few layers, small widths, a 128-token vocabulary.
+
+    Its default config shrunk, or for a family that derives settings from its arguments, built from
+    small arguments (`_CONFIG_ARGUMENTS`).
+    """
     if model_type in _CONFIG_ARGUMENTS:
         return AutoConfig.for_model(model_type, **copy.deepcopy(_CONFIG_ARGUMENTS[model_type]))
     config = AutoConfig.for_model(model_type)
