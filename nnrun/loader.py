@@ -11,6 +11,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from nnrun.config import DeviceConfig, ModelConfig
+from nnrun.exact.path import family_of
+from nnrun.unservable import causal_lm_class, refuse_unservable, refusing_missing_libraries
 
 UNSAFE_ROPE_TYPES = ("dynamic", "longrope")
 
@@ -26,6 +28,7 @@ def load_model(model_config: ModelConfig, device_config: DeviceConfig) -> Loaded
     """Build the HF model on the configured device and dtype, in eval mode."""
     source = model_config.model
     if isinstance(source, PreTrainedModel):
+        refuse_unservable(type(source), family_of(source), source.config)
         model, name, path = source, type(source).__name__, getattr(source, "name_or_path", None) or None
         if device_config.dtype is None:
             device_config.torch_dtype = model.dtype  # an in-memory model keeps its own dtype by default
@@ -51,9 +54,14 @@ def _resolve_path(source: str) -> str:
 
 def _from_pretrained(path: str, model_config: ModelConfig, dtype: torch.dtype) -> PreTrainedModel:
     try:
-        return AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, revision=model_config.revision, trust_remote_code=model_config.trust_remote_code
+        config = AutoConfig.from_pretrained(
+            path, revision=model_config.revision, trust_remote_code=model_config.trust_remote_code
         )
+        _refuse_before_building(config)
+        with refusing_missing_libraries(config):
+            return AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, revision=model_config.revision, trust_remote_code=model_config.trust_remote_code
+            )
     except OSError as error:
         raise ValueError(
             f"could not load model {path!r}: it is not a local checkpoint folder, not a bundled model "
@@ -77,9 +85,18 @@ def _build_dummy(source: Any, model_config: ModelConfig, dtype: torch.dtype) -> 
                 f"load_format='dummy' needs a config: could not load one for {source!r}: {error}"
             ) from error
         name = str(source)
+    _refuse_before_building(config)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model_config.trust_remote_code)
+    with refusing_missing_libraries(config):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model_config.trust_remote_code)
     return model, name, path
+
+
+def _refuse_before_building(config: PretrainedConfig) -> None:
+    """A family nnrun cannot serve is refused from its config, before its weights are built or read."""
+    model_class = causal_lm_class(config)
+    if model_class is not None:
+        refuse_unservable(model_class, config.model_type, config)
 
 
 def _load_tokenizer(tokenizer: Any, path: str | None, model_config: ModelConfig) -> Any:

@@ -93,6 +93,12 @@ def probe_attention_layers(
     with forward_context(probe), torch.no_grad():
         model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=1)
     layer_ids = [call.layer_idx for call in probe.calls]
+    if not all(isinstance(layer_idx, int) for layer_idx in layer_ids):
+        raise ValueError(
+            "an attention module has no layer index of its own (layer_idx=None: one attention block shared by "
+            "several layers, each passing its own cache index at call time, as Zamba's): the packed path pages "
+            "one KV cache per attention module's layer_idx"
+        )
     served = sorted(set(layer_ids) | kv_free_layer_ids)
     if len(set(layer_ids)) != len(layer_ids) or served != list(range(len(served))):
         raise ValueError(f"the packed path pages one KV cache per attention call: {_layer_mismatch(layer_ids)}")
@@ -109,15 +115,16 @@ def refuse_sparse_attention_indexers(model: torch.nn.Module) -> None:
     """Sparse attention the packed path cannot serve, refused by name.
 
     DSA indexers (DeepSeek-V3.2's and its kin) run per request (nnrun/attention/indexer, adapted at
-    load). Any other indexer picks keys its own way; DeepSeek-V4's scores compressed blocks of keys
-    that a compressor builds, with state carried between forwards, which no packed step keeps.
+    load). Any other indexer picks keys its own way, by scoring blocks of keys: DeepSeek-V4's blocks
+    are built by a compressor whose state is carried between forwards, which no packed step keeps;
+    Qwen4-Exp's QSA averages its own keys in blocks, query by query, and picks whole blocks.
     """
     unserved = unserved_indexers(model)
     if unserved:
         raise ValueError(
             f"{unserved[0]} is a sparse-attention indexer that does not pick from per-token keys of its own "
-            "(DeepSeek-V4's scores compressed key blocks, with compressor state kept between forwards), "
-            "which the packed path does not run"
+            "(it scores compressed key blocks: DeepSeek-V4's with compressor state kept between forwards, "
+            "Qwen4-Exp's QSA pooled per query from its own keys), which the packed path does not run"
         )
 
 

@@ -108,7 +108,9 @@ def attention_chunk_size(module: torch.nn.Module) -> int | None:
     config = getattr(module, "config", None)  # not every attention module keeps its config
     layer_types = getattr(config, "layer_types", None)
     chunk_size = None
-    if layer_types is not None and layer_types[module.layer_idx] == "chunked_attention":
+    # A module shared by several layers (Zamba's) has no layer_idx of its own: the probe refuses it by name.
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_types is not None and isinstance(layer_idx, int) and layer_types[layer_idx] == "chunked_attention":
         chunk_size = config.attention_chunk_size
     module.__dict__[_CHUNK_SIZE] = chunk_size
     return chunk_size

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from families.tiny import tiny_model
+from families.tiny import tiny_config, tiny_model
 
 PROMPTS = ([17, 33, 45, 58, 61], [20, 71, 82, 93, 24, 35, 46, 57, 68, 79, 90], [101, 42, 13])  # 5, 11, 3 tokens
 NUM_GREEDY_TOKENS = 3
@@ -52,8 +52,9 @@ def check_family(model_type: str) -> FamilyResult:
 
     try:
         model = tiny_model(model_type)
-    except Exception as error:  # the tiny config cannot be built: nothing to check
-        return FamilyResult(model_type, "not built", f"{type(error).__name__}: {_first_line(error)}")
+    except Exception as error:  # HF cannot build it: nnrun, given the config alone, may still refuse it by name
+        refused = _refused_from_config(model_type)
+        return refused or FamilyResult(model_type, "not built", f"{type(error).__name__}: {_first_line(error)}")
     try:
         expected_logits, expected_tokens = hf_oracle(model)
     except Exception as error:  # HF's own forward fails: nnrun must refuse the model by name
@@ -85,6 +86,28 @@ def check_family(model_type: str) -> FamilyResult:
     if exact is None:
         return FamilyResult(model_type, "packed")
     return FamilyResult(model_type, "exact", exact.reason or "")
+
+
+def _refused_from_config(model_type: str) -> FamilyResult | None:
+    """nnrun given the family's tiny config (dummy weights, as for a checkpoint): its refusal by name, else None.
+
+    nnrun refuses some families from their config before building them (a drafter, a library the
+    model's code needs that is not installed), where HF's own build fails too.
+    """
+    import nnrun
+    from nnrun.exact import ModelRefusedError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            lm = nnrun.LanguageModel(tiny_config(model_type), load_format="dummy", max_num_seqs=4, max_model_len=64)
+        except ModelRefusedError as error:
+            assert model_type in str(error), f"the refusal does not name the family: {error}"
+            return FamilyResult(model_type, "refused", _first_line(error))
+        except Exception:  # fails as HF's build did: not refused by nnrun
+            return None
+    lm.shutdown()
+    return None
 
 
 def _packed_trace_logits(lm) -> list[torch.Tensor]:

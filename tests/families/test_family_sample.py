@@ -67,3 +67,9 @@ def test_a_hybrid_whose_mixer_the_state_pool_does_not_know_runs_exact_with_the_r
         reason = llm.runner.exact_forward.reason
     assert "do not call transformers' attention interface (state-space, linear-attention" in reason
     assert "shared-KV" not in reason
+
+
+def test_an_attention_block_shared_by_several_layers_runs_exact_with_the_reason():
+    result = check_family("zamba")  # one attention module for all hybrid layers, told apart at call time
+    assert result.path == "exact"
+    assert "an attention module has no layer index of its own" in result.detail

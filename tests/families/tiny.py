@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 VOCAB_SIZE = 128
 MAX_POSITIONS = 256
@@ -103,6 +104,142 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "xlstm": {"num_blocks": 2, "qk_dim_factor": 1.0},
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": (32, 32), "axial_pos_shape": (16, 16)},
     "deepseek_v2": {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 2},
+    # its code reads RoPE settings per layer kind, which its default config leaves empty: here Cohere 2's
+    # pattern (RoPE on sliding layers, none on full ones), M-RoPE sections summing to half the head width,
+    # and a window the probe's prompts cross
+    "cohere_compass_text": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 8,
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 50000.0, "mrope_section": [4, 2, 2]},
+            "full_attention": None,
+        },
+    },
+    # its attention reads rope_theta from attn_config, which its checkpoints carry beside the config's fields
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "kv_n_heads": 2, "clip_qkv": 8.0}},
+}
+
+# Dots 3 Note's text model: DSA layers and sliding-window layers with their own MLA widths (per-layer
+# configs its constructor derives from the swa_* arguments, as in its checkpoints).
+_DOTS3_TEXT = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "shared_experts_intermediate_size": 32,
+    "layer_types": ["indexed_attention", "sliding_attention"],
+    "num_hidden_layers": 2,
+    "mlp_layer_types": ["dense", "sparse"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "head_dim": 32,
+    "index_topk": 4,  # the 11-token prompt's queries see only the 4 keys their indexer picks
+    "index_head_dim": 32,
+    "index_n_heads": 4,
+    "sliding_window": 8,
+    "swa_num_attention_heads": 2,
+    "swa_num_key_value_heads": 2,
+    "swa_q_lora_rank": 32,
+    "swa_kv_lora_rank": 16,
+    "swa_head_dim": 40,
+    "swa_qk_nope_head_dim": 24,
+    "swa_v_head_dim": 16,
+    "max_position_embeddings": MAX_POSITIONS,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# Qwen4-Exp's text model: gated-delta-net and QSA-indexed attention layers, hyper-connections, and a hashed
+# n-gram embedding (PLE) on its linear-attention layer; the QSA fields are unset by default (its
+# checkpoints set them) and the n-gram tables default to 20M rows.
+_QWEN4_EXP_TEXT = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "layer_types": ["linear_attention", "indexed_attention"],
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "hc_lowrank": 8,
+    "ple_layer_ids": [1],
+    "ple_embed_dim": 64,
+    "ngram_vocab_size_base": 1000,
+    "split_ngram_parts": 1,
+    "indexer_n_heads": 2,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 16,
+    "indexer_budget": 4,  # two blocks of two keys: the 11-token prompt's later queries skip some blocks
+    "indexer_compress_ratio": 2,
+    "max_position_embeddings": MAX_POSITIONS,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# A Gemma 4 assistant's text model: every layer reads the target model's KV (all layers KV-shared), none
+# has per-layer inputs (what its config validates).
+_GEMMA4_ASSISTANT_TEXT = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "global_head_dim": 32,
+    "sliding_window": 8,
+    "hidden_size_per_layer_input": 0,
+    "vocab_size_per_layer_input": 0,
+    "max_position_embeddings": MAX_POSITIONS,
+}
+_GEMMA4_ASSISTANT = {"backbone_hidden_size": 64, "num_centroids": 16, "centroid_intermediate_top_k": 4}
+
+# Families whose config derives settings from its constructor's arguments (per-layer configs, widths that
+# follow others, which layers share a block): built from small arguments, as a checkpoint's config.json
+# builds them, instead of shrunk afterwards (which would leave the derived settings at full size).
+_CONFIG_ARGUMENTS: dict[str, dict[str, Any]] = {
+    "dots3_note_text": _DOTS3_TEXT,
+    # the composite validates its adapters' widths against the text model's
+    "dots3_note": {
+        "text_config": _DOTS3_TEXT,
+        "vision_config": {"adapter_out_dim": 64},
+        "audio_config": {"adapter_out_dim": 64},
+    },
+    "qwen4_exp_text": _QWEN4_EXP_TEXT,
+    "qwen4_exp": {"text_config": _QWEN4_EXP_TEXT},
+    "gemma4_assistant": {**_GEMMA4_ASSISTANT, "text_config": _GEMMA4_ASSISTANT_TEXT},
+    "gemma4_unified_assistant": {
+        **_GEMMA4_ASSISTANT,
+        "text_config": {**_GEMMA4_ASSISTANT_TEXT, "model_type": "gemma4_unified_text"},
+    },
+    # one transformer block shared by all hybrid layers (their weights tied to it): it takes two, and its
+    # attention widths follow the hidden size (twice it: the hidden states beside the original embeddings)
+    "zamba": {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "n_mamba_heads": 2,
+        "max_position_embeddings": MAX_POSITIONS,
+    },
 }
 _LAYER_COUNTS = (
     "num_hidden_layers",
@@ -134,11 +271,22 @@ def causal_lm_families() -> list[str]:
 
 
 def tiny_config(model_type: str) -> PretrainedConfig:
-    """The family's default config, shrunk to a few layers, small widths and a 128-token vocabulary."""
+    """The family's config at tiny sizes: a few layers, small widths, a 128-token vocabulary.
+
+    Its default config shrunk, or for a family that derives settings from its arguments, built from
+    small arguments (`_CONFIG_ARGUMENTS`).
+    """
+    if model_type in _CONFIG_ARGUMENTS:
+        return AutoConfig.for_model(model_type, **copy.deepcopy(_CONFIG_ARGUMENTS[model_type]))
     config = AutoConfig.for_model(model_type)
     for sub in _configs_of(config):
         _shrink(sub)
     for name, value in _OVERRIDES.get(model_type, {}).items():
+        current = getattr(config, name, None)
+        if isinstance(value, dict) and isinstance(current, PretrainedConfig):  # fields of a sub-config
+            for field, field_value in value.items():
+                setattr(current, field, field_value)
+            continue
         setattr(config, name, value)
         if name in _LAYER_LISTS:
             config.num_hidden_layers = len(value)
@@ -151,8 +299,26 @@ def tiny_model(model_type: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        decoder = _decoder_config(config)
+        if decoder is None:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        else:
+            model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]._from_config(decoder, dtype=torch.float32)
     return model.eval()
+
+
+def _decoder_config(config: PretrainedConfig) -> PretrainedConfig | None:
+    """The sub-config a composite's causal-LM class is built from, where it is not `text_config`.
+
+    MusicGen maps its composite config to a causal LM whose config class is the composite's
+    `decoder`: `AutoModelForCausalLM.from_config` hands a class the `text_config` only, and given the
+    composite the class fails (the composite has none of the decoder's fields).
+    """
+    config_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].config_class
+    if isinstance(config, config_class) or "text_config" in (getattr(config, "sub_configs", None) or {}):
+        return None
+    subs = [getattr(config, key, None) for key in getattr(config, "sub_configs", None) or {}]
+    return next((sub for sub in subs if isinstance(sub, config_class)), None)
 
 
 def _configs_of(config: PretrainedConfig) -> list[PretrainedConfig]:
