@@ -74,19 +74,30 @@ class ShardRunner(ModelRunner):
         """Each rank captures its own decode graphs for the same sizes, in the same order.
 
         A graph holds the step's collectives (NCCL on CUDA; the warm-up before each capture runs them
-        first), so a step must replay on every rank or on none. Every rank decides it alike: from the
-        step message they all receive (mode, batch size, attention probabilities) and from state that
-        every rank changes alike (the same nnsight blocks, the same extraction hooks run on each).
-        The sizes captured are checked to agree here, once.
+        eagerly first), so a step must replay on every rank or on none. Every rank decides it alike:
+        from the step message they all receive (mode, batch size, attention probabilities) and from
+        state every rank changes alike (each runs the same nnsight blocks and extraction hooks).
         """
-        super().init_cuda_graphs(capturer)
-        sizes = None if self.graph_runner is None else self.graph_runner.batch_sizes
-        every_rank = [None] * dist.get_world_size()
-        dist.all_gather_object(every_rank, sizes)
-        if any(theirs != sizes for theirs in every_rank):
+        self._agree_on_attention_backend()
+        try:
+            super().init_cuda_graphs(capturer)
+        except RuntimeError as error:
             raise RuntimeError(
-                f"the tensor-parallel ranks captured different decode CUDA graphs (batch sizes per rank: "
-                f"{every_rank}); a step replayed on some ranks only would pair their collectives wrongly"
+                f"capturing the decode CUDA graphs of a tensor-parallel rank failed ({type(error).__name__}: "
+                f"{error}); run with enable_cuda_graphs=False to decode eagerly on the ranks"
+            ) from error
+
+    def _agree_on_attention_backend(self) -> None:
+        """Whether and which graphs a rank captures follows from the config every rank was sent and from
+        its attention backend, which each rank chose for itself: they must have chosen the same one, or
+        their captures' warm-up collectives would not pair up."""
+        mine = (self.attn_backend.name, self.attn_backend.supports_cuda_graphs)
+        every_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, mine)
+        if any(theirs != mine for theirs in every_rank):
+            raise RuntimeError(
+                f"the tensor-parallel ranks chose different attention backends ((name, runs in CUDA graphs) per "
+                f"rank: {every_rank}); pick one with attention_backend=..."
             )
 
     def load_model(self) -> None:

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 
 import nnrun
-from fake_cuda_graph import RecordingCapturer
+from fake_cuda_graph import HostSyncDuringCapture, RecordingCapturer
 from fake_flashinfer import make_fake_flashinfer
 from interleaver.tp_rank import NNsightShardRunner
 from nnrun import LLM, SamplingParams
 from nnrun.forward_batch import ForwardMode
-from nnrun.tp import TensorParallelRunner
+from nnrun.tp import TensorParallelError, TensorParallelRunner
 from nnrun.tp.worker import ShardRunner
 from tolerance import assert_close_packed
 
@@ -79,6 +79,24 @@ class RecordingNNsightShardRunner(RecordingGraphsOnRank, NNsightShardRunner):
 
 class RecordingTensorParallelRunner(TensorParallelRunner):
     rank_runner = f"{__name__}:RecordingShardRunner"
+
+
+class RefusedCapturer(RecordingCapturer):
+    def capture(self, fn):
+        raise HostSyncDuringCapture("aten._local_scalar_dense reads device data on the host (as CUDA would refuse)")
+
+
+class CaptureRefusingShardRunner(RecordingShardRunner):
+    def init_cuda_graphs(self, capturer=None) -> None:
+        ShardRunner.init_cuda_graphs(self, RefusedCapturer())
+
+
+class TorchAttentionOnRank1ShardRunner(RecordingShardRunner):
+    def init_attention_backend(self) -> None:
+        if dist.get_rank() == 0:
+            super().init_attention_backend()
+        else:
+            ShardRunner.init_attention_backend(self)  # the torch backend on a CPU rank
 
 
 def rank_counts(llm: LLM) -> list[dict]:
@@ -135,6 +153,19 @@ def test_each_rank_captures_the_same_graphs(graphs, eager):
     assert [c["captures"] for c in counts] == [len(GRAPH_SIZES)] * 2
     assert eager.runner.rank_graph_batch_sizes is None
     assert [c["captures"] for c in rank_counts(eager)] == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("rank_runner", "error"),
+    [
+        ("CaptureRefusingShardRunner", "capturing the decode CUDA graphs of a tensor-parallel rank failed"),
+        ("TorchAttentionOnRank1ShardRunner", "the tensor-parallel ranks chose different attention backends"),
+    ],
+)
+def test_ranks_that_cannot_capture_alike_refuse_to_start(monkeypatch, rank_runner, error):
+    monkeypatch.setattr(RecordingTensorParallelRunner, "rank_runner", f"{__name__}:{rank_runner}")
+    with pytest.raises(TensorParallelError, match=error):
+        _two_ranks()
 
 
 def test_untraced_decode_steps_replay_on_both_ranks_with_eager_and_one_rank_tokens(graphs, eager, one_rank):
