@@ -15,6 +15,11 @@ its host-side checks then).
 
 Kernels implemented in Python (the FlashInfer emulator) launch through `launch_kernel`: it runs the
 kernel now, and a capture records it as one step that re-runs on replay.
+
+On tensor-parallel ranks (tests/tp/test_tp_cuda_graphs.py) it records the collectives too: gloo's
+all-reduce is an op like the others, waited for on replay as the captured code waited for it. A
+tensor subclass (transformers' DTensor) is not recorded as itself: its Python runs at capture, and
+the plain ops and collectives it issues are what replays, as on a GPU.
 """
 
 from __future__ import annotations
