@@ -55,6 +55,9 @@ class CudaGraphCapturer:
             for _ in range(2):
                 fn()
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        # On tensor-parallel ranks the warm-up ran NCCL collectives: let them finish, so that NCCL's
+        # watchdog thread has no event of theirs to query while this thread captures.
+        torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             output = fn()

@@ -15,6 +15,11 @@ its host-side checks then).
 
 Kernels implemented in Python (the FlashInfer emulator) launch through `launch_kernel`: it runs the
 kernel now, and a capture records it as one step that re-runs on replay.
+
+On tensor-parallel ranks (tests/tp/test_tp_cuda_graphs.py) it records the collectives too: gloo's
+all-reduce is an op like the others, waited for on replay as the captured code waited for it. A
+tensor subclass (transformers' DTensor) is not recorded as itself: its Python runs at capture, and
+the plain ops and collectives it issues are what replays, as on a GPU.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ HOST_SYNC_OPS = {
     torch.ops.aten.masked_select.default,
     torch.ops.aten.equal.default,  # returns a Python bool
 }
+
+
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
 
 
 class HostSyncDuringCapture(RuntimeError):
@@ -58,6 +66,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if any(cls is not torch.Tensor and not issubclass(torch.Tensor, cls) for cls in types):
+            # A tensor subclass (a DTensor on tensor-parallel ranks) runs Python around plain ops: let
+            # it, and record the plain ops it issues (they come back here), as a GPU records kernels.
+            return NotImplemented
         if func in HOST_SYNC_OPS:
             raise HostSyncDuringCapture(f"{func} reads device data on the host during CUDA graph capture")
         output = func(*args, **kwargs)
@@ -68,11 +80,26 @@ class _Recorder(TorchDispatchMode):
 def _replay_step(func, args, kwargs, captured_output) -> Callable[[], None]:
     def step() -> None:
         fresh_output = func(*args, **kwargs)
+        if func.namespace == "_c10d_functional" and func is not _WAIT_TENSOR:
+            # A functional collective's output is ready once waited for; the capture's wait waits
+            # for the captured output's collective, not this one.
+            for fresh in tree_flatten(fresh_output)[0]:
+                if isinstance(fresh, torch.Tensor):
+                    _WAIT_TENSOR(fresh)
         for captured, fresh in zip(tree_flatten(captured_output)[0], tree_flatten(fresh_output)[0]):
-            if isinstance(captured, torch.Tensor) and not _same_memory(captured, fresh):
+            if _is_collective_work(fresh):
+                # A collective (gloo's all-reduce on CPU tensor-parallel ranks) runs asynchronously:
+                # the code that launched it waited on its `Work`, and a GPU graph orders its kernels.
+                fresh.wait()
+            elif isinstance(captured, torch.Tensor) and not _same_memory(captured, fresh):
                 captured.copy_(fresh)
 
     return step
+
+
+def _is_collective_work(value: Any) -> bool:
+    """A c10d op's `Work` (the dispatcher hands it over as a TorchScript object)."""
+    return isinstance(value, torch.ScriptObject) and hasattr(value, "wait")
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

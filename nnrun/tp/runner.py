@@ -44,6 +44,7 @@ class TensorParallelRunner(ModelRunner):
         self.group: RankGroup | None = None
         self.num_steps_sampled_on_rank0 = 0  # steps whose tokens came back as argmaxes, without their logits
         self._whole_specs: set[tuple] = set()  # extraction specs found whole on the ranks (`refuse_split_values`)
+        self.rank_graph_batch_sizes: list[int] | None = None
 
     def initialize(self) -> None:
         self.load_model()
@@ -55,6 +56,8 @@ class TensorParallelRunner(ModelRunner):
             raise
         self.layers = report["layers"]  # rank 0's: its own share of the heads
         self.max_model_len = report["max_model_len"]
+        # Decode steps the ranks may replay as CUDA graphs (None: every step runs eagerly there)
+        self.rank_graph_batch_sizes: list[int] | None = report["cuda_graph_batch_sizes"]
         self._build_kv_cache(report["num_pages"])
         self.attn_backend = None
 

@@ -2,7 +2,9 @@
 
 Every rank runs the same forward over the same packed batch; transformers' plan does the
 collectives inside it (an all-reduce after each row-parallel projection, an all-gather of the
-logits). Only rank 0 answers the front end. A rank that fails reports its traceback and exits:
+logits). On CUDA each rank captures its own decode graphs, collectives included, and every rank
+decides whether a step replays one from the same step message and the same state (see
+`ShardRunner.init_cuda_graphs`), so the ranks' collectives always pair up. Only rank 0 answers the front end. A rank that fails reports its traceback and exits:
 the others then fail in their next collective, and the front end stops the whole group.
 """
 
@@ -24,6 +26,7 @@ import torch.distributed as dist
 
 import nnrun.tp.wire as wire
 from nnrun.config import EngineConfig
+from nnrun.cuda_graph import GraphCapturer
 from nnrun.extract.hooks import ActivationCapture
 from nnrun.model_runner import ModelRunner
 from nnrun.sampler import SamplerOutput
@@ -65,6 +68,37 @@ class ShardRunner(ModelRunner):
             )
         self.init_memory_pool()
         self.init_attention_backend()
+        self.init_cuda_graphs()
+
+    def init_cuda_graphs(self, capturer: GraphCapturer | None = None) -> None:
+        """Each rank captures its own decode graphs for the same sizes, in the same order.
+
+        A graph holds the step's collectives (NCCL on CUDA; the warm-up before each capture runs them
+        eagerly first), so a step must replay on every rank or on none. Every rank decides it alike:
+        from the step message they all receive (mode, batch size, attention probabilities) and from
+        state every rank changes alike (each runs the same nnsight blocks and extraction hooks).
+        """
+        self._agree_on_attention_backend()
+        try:
+            super().init_cuda_graphs(capturer)
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"capturing the decode CUDA graphs of a tensor-parallel rank failed ({type(error).__name__}: "
+                f"{error}); run with enable_cuda_graphs=False to decode eagerly on the ranks"
+            ) from error
+
+    def _agree_on_attention_backend(self) -> None:
+        """Whether and which graphs a rank captures follows from the config every rank was sent and from
+        its attention backend, which each rank chose for itself: they must have chosen the same one, or
+        their captures' warm-up collectives would not pair up."""
+        mine = (self.attn_backend.name, self.attn_backend.supports_cuda_graphs)
+        every_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, mine)
+        if any(theirs != mine for theirs in every_rank):
+            raise RuntimeError(
+                f"the tensor-parallel ranks chose different attention backends ((name, runs in CUDA graphs) per "
+                f"rank: {every_rank}); pick one with attention_backend=..."
+            )
 
     def load_model(self) -> None:
         """This rank's shard, read by transformers through the model's TP plan, then loaded as any in-memory model."""
@@ -139,7 +173,13 @@ def run_rank(spec: RankSpec, conn: Connection, parent_pid: int) -> None:
     _exit_when_orphaned(parent_pid)
     try:
         runner = _start(spec)
-        info = {"layers": runner.layers, "num_pages": runner.kv_pool.num_pages, "max_model_len": runner.max_model_len}
+        graphs = runner.graph_runner
+        info = {
+            "layers": runner.layers,
+            "num_pages": runner.kv_pool.num_pages,
+            "max_model_len": runner.max_model_len,
+            "cuda_graph_batch_sizes": None if graphs is None else graphs.batch_sizes,
+        }
         conn.send_bytes(wire.encode_report(wire.MessageKind.READY, info if spec.rank == 0 else {}))
         _serve_steps(runner, conn, spec.rank)
     except BaseException:
@@ -151,7 +191,7 @@ def run_rank(spec: RankSpec, conn: Connection, parent_pid: int) -> None:
 def _start(spec: RankSpec) -> ShardRunner:
     device = _claim_device(spec)
     _join_group(spec, device)
-    device_config = dataclasses.replace(spec.config.device, device=device, enable_cuda_graphs=False)
+    device_config = dataclasses.replace(spec.config.device, device=device)
     device_config.torch_dtype = spec.config.device.torch_dtype
     config = dataclasses.replace(spec.config, device=device_config)
     config.model.model = spec.checkpoint

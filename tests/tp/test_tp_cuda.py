@@ -2,11 +2,13 @@
 
 A machine with one GPU cannot hold two ranks, but one rank runs the whole rank path: the front end,
 the spawned rank process, NCCL's process group, the step wire, rank 0's sampler and (in bf16 with
-head dim 64) FlashInfer on the rank. Skipped without CUDA.
+head dim 64) FlashInfer on the rank, with decode CUDA graphs captured around NCCL's collectives.
+Skipped without CUDA.
 """
 
 from __future__ import annotations
 
+import pickle
 import warnings
 
 import pytest
@@ -15,6 +17,9 @@ import torch
 from conformance.compare import assert_scenario_same
 from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer, twin
 from conformance.scenarios import SCENARIOS
+from nnrun.forward_batch import ForwardMode
+from nnrun.tp import TensorParallelRunner
+from nnrun.tp.worker import ShardRunner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,19 +47,50 @@ def bf16_checkpoint(tmp_path_factory):
     return str(folder)
 
 
-def test_one_nccl_rank_gives_the_one_process_engines_tokens(bf16_checkpoint):
+class CountingShardRunner(ShardRunner):
+    """The shard runner, counting its decode steps that replayed a CUDA graph (a `replayed` exchange answers)."""
+
+    replayed = 0
+
+    def run_model(self, forward_batch):
+        if forward_batch.forward_mode is ForwardMode.DECODE and self._replays_graph(forward_batch):
+            self.replayed += 1
+        return super().run_model(forward_batch)
+
+    def serve_exchange(self, message: dict) -> bytes | None:
+        if message["op"] != "replayed":
+            return super().serve_exchange(message)
+        return pickle.dumps(self.replayed)
+
+
+class CountingTensorParallelRunner(TensorParallelRunner):
+    rank_runner = f"{__name__}:CountingShardRunner"
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda-graphs"])
+def test_one_nccl_rank_gives_the_one_process_engines_tokens(bf16_checkpoint, graphs):
+    """With graphs, the rank captures them with NCCL's collectives inside and replays every decode step.
+
+    Rows end at different lengths: batches of 4, 3 (the graph of 4, padded), 2 and 1.
+    """
     import nnrun
-    from nnrun.tp import TensorParallelRunner
 
     prompts = [list(range(3, 3 + n)) for n in (5, 17, 40, 9)]
-    params = nnrun.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
-    options = dict(device="cuda", dtype=torch.bfloat16)
+    params = [nnrun.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=1) for n in (12, 4, 7, 2)]
+    options = dict(device="cuda", dtype=torch.bfloat16, enable_cuda_graphs=graphs)
     with nnrun.LLM(bf16_checkpoint, **options) as plain:
         want = plain.generate(prompts, params)
         backend = plain.runner.attn_backend.name
-    with nnrun.LLM(bf16_checkpoint, runner_cls=TensorParallelRunner, **options) as one_rank:
-        got = one_rank.generate(prompts, params)
+        graph_runner = plain.runner.graph_runner
     print(f"one-process attention backend: {backend}")
+    if graphs and graph_runner is None:
+        pytest.skip(f"the one-process engine captured no CUDA graphs here (attention backend: {backend})")
+    with nnrun.LLM(bf16_checkpoint, runner_cls=CountingTensorParallelRunner, **options) as one_rank:
+        assert one_rank.runner.rank_graph_batch_sizes == (graph_runner.batch_sizes if graphs else None)
+        got = one_rank.generate(prompts, params)
+        with one_rank.runner.step_lock:
+            replayed = pickle.loads(one_rank.runner.group.exchange(pickle.dumps({"op": "replayed"})))
+    assert replayed == (max(p.max_tokens for p in params) - 1 if graphs else 0)
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
 
