@@ -129,6 +129,9 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     tensor_parallel_timeout: float = 300.0  # seconds a step or a collective may take before the group is declared hung
+    # Decode CUDA graphs on the ranks (collectives captured inside). Opt-in: checked under a stand-in for
+    # CUDA's capture on CPU and with one NCCL rank, never on several GPUs; ranks decode eagerly otherwise.
+    tensor_parallel_cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if (

@@ -78,6 +78,8 @@ class ShardRunner(ModelRunner):
         from the step message they all receive (mode, batch size, attention probabilities) and from
         state every rank changes alike (each runs the same nnsight blocks and extraction hooks).
         """
+        if not self.config.parallel.tensor_parallel_cuda_graphs:
+            return  # opt-in (ParallelConfig.tensor_parallel_cuda_graphs): the ranks decode eagerly
         self._agree_on_attention_backend()
         try:
             super().init_cuda_graphs(capturer)

@@ -85,7 +85,9 @@ def test_one_nccl_rank_gives_the_one_process_engines_tokens(bf16_checkpoint, gra
     print(f"one-process attention backend: {backend}")
     if graphs and graph_runner is None:
         pytest.skip(f"the one-process engine captured no CUDA graphs here (attention backend: {backend})")
-    with nnrun.LLM(bf16_checkpoint, runner_cls=CountingTensorParallelRunner, **options) as one_rank:
+    with nnrun.LLM(
+        bf16_checkpoint, runner_cls=CountingTensorParallelRunner, tensor_parallel_cuda_graphs=graphs, **options
+    ) as one_rank:
         assert one_rank.runner.rank_graph_batch_sizes == (graph_runner.batch_sizes if graphs else None)
         got = one_rank.generate(prompts, params)
         with one_rank.runner.step_lock:

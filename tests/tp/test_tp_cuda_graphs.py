@@ -121,7 +121,7 @@ def _two_ranks(**options) -> LLM:
         runner_cls=RecordingTensorParallelRunner,
         cuda_graph_batch_sizes=GRAPH_SIZES,
         page_size=4,
-        **options,
+        **{"tensor_parallel_cuda_graphs": True, **options},
     )
 
 
@@ -145,6 +145,15 @@ def one_rank():
     llm = LLM("tiny-facts")
     yield llm
     llm.shutdown()
+
+
+def test_ranks_capture_no_graphs_unless_asked():
+    llm = _two_ranks(tensor_parallel_cuda_graphs=False)
+    try:
+        assert llm.runner.rank_graph_batch_sizes is None
+        assert [c["captures"] for c in rank_counts(llm)] == [0, 0]
+    finally:
+        assert llm.shutdown(timeout=30)
 
 
 def test_each_rank_captures_the_same_graphs(graphs, eager):
@@ -245,6 +254,7 @@ def nnsight_graphs():
             "tiny-facts",
             tensor_parallel_size=2,
             tensor_parallel_timeout=60,
+            tensor_parallel_cuda_graphs=True,
             cuda_graph_batch_sizes=GRAPH_SIZES,
             page_size=4,
         )
