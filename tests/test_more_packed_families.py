@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import warnings
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import nnrun
 from families.sweep import check_family
 from families.tiny import tiny_config
-import nnrun
 from nnrun.position_adapters import SINUSOIDAL_POSITIONS, adapt_positions
 from packed_probs import packed_attention_probs
 from test_packed_families import assert_packed_matches_hf, hf_logits, hf_twin, prompts_of
