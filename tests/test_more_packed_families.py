@@ -1,4 +1,4 @@
-"""Decoder-only families whose attention needed more than the interface to run packed: XGLM.
+"""Decoder-only families whose attention needed more than the interface to run packed: XGLM, Inkling.
 
 Each model is built tiny (fp32, random weights). The oracle is plain HF run one prompt at a time:
 packed prefill logits of prompts of different lengths, greedy decode tokens (bitwise) and logprobs,
@@ -15,10 +15,11 @@ from transformers import AutoModelForCausalLM
 import nnrun
 from families.sweep import check_family
 from families.tiny import tiny_config
+from nnrun.attention.flashinfer_plan import flashinfer_unplanned_features
 from nnrun.position_adapters import SINUSOIDAL_POSITIONS, adapt_positions
 from packed_probs import packed_attention_probs
 from test_packed_families import assert_packed_matches_hf, hf_logits, hf_twin, prompts_of
-from tolerance import assert_close_packed
+from tolerance import PACKED_REL, assert_close_packed
 
 
 def build(model_type: str) -> torch.nn.Module:
@@ -79,3 +80,84 @@ def test_xglm_positions_bind():
         at_start = model(ids).logits
         shifted = model(ids, position_ids=torch.arange(7, 7 + ids.shape[1])[None]).logits
     assert (at_start - shifted).abs().max() > 1e-2
+
+
+# ---- Inkling: relative logits per query and key distance (nnrun/attention/classic/inkling.py) -----
+
+# Small enough that every limit binds over these prompts (3 to 11 tokens, 4 decode steps): a 4-token
+# window on the sliding layer (whose relative extent is the window), relative logits 6 back on the full
+# layer, and HF's log scaling of queries and logits from position 2 on.
+INKLING = dict(
+    sliding_window_size=4,
+    rel_extent=6,
+    log_scaling_n_floor=2,
+    swa_num_attention_heads=4,
+    swa_num_key_value_heads=2,
+    swa_head_dim=16,
+)
+
+
+def build_inkling(**overrides) -> torch.nn.Module:
+    config = tiny_config("inkling_text")
+    for name, value in {**INKLING, **overrides}.items():
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # logits by distance big enough to move the softmax visibly
+        for module in model.modules():
+            if type(module).__name__ == "InklingRelativeLogits":
+                module.proj.normal_(std=2.0)
+    return model
+
+
+def test_inkling_runs_packed_and_matches_hf():
+    assert_packed_matches_hf(build_inkling())
+
+
+def test_inkling_without_log_scaling_matches_hf():
+    assert_packed_matches_hf(build_inkling(log_scaling_n_floor=None))
+
+
+def test_inkling_is_served_packed_by_the_load_time_probe():
+    assert check_family("inkling_text").path == "packed"
+
+
+def test_inkling_layers_are_probed_with_relative_logits_and_kept_off_flashinfer():
+    with nnrun.LLM(build_inkling(), page_size=4) as llm:
+        layers = llm.runner.layers
+        assert [layer.has_relative_logits for layer in layers] == [True, True]
+        assert [layer.sliding_window for layer in layers] == [4, None]
+        assert "relative logits" in flashinfer_unplanned_features(layers, 4)
+
+
+def test_inkling_attention_probabilities_match_hf_eager():
+    model = build_inkling()
+    oracle = hf_twin(model)
+    prompts = prompts_of()
+    seen = packed_attention_probs(
+        model, prompts, lambda loaded: [m for m in loaded.modules() if type(m).__name__ == "InklingAttention"]
+    )
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            expected = oracle(torch.tensor([prompt]), output_attentions=True).attentions  # per layer [1, H, T, T]
+        for layer, want in enumerate(expected):
+            assert_close_packed(seen[layer].for_row(row), want, msg=f"inkling layer {layer}, prompt {row}")
+
+
+def test_inkling_relative_logits_and_log_scaling_bind():
+    """Without the bias, or without the log scaling, HF's own logits move far past the packed tolerance."""
+    model = build_inkling()
+    ids = torch.tensor([prompts_of()[1]])
+    with torch.no_grad():
+        expected = model(ids).logits
+        model.config.log_scaling_n_floor = None
+        unscaled = model(ids).logits
+        model.config.log_scaling_n_floor = INKLING["log_scaling_n_floor"]
+        for module in model.modules():
+            if type(module).__name__ == "InklingRelativeLogits":
+                module.proj.zero_()
+        unbiased = model(ids).logits
+    for changed in (unscaled, unbiased):
+        assert (changed - expected).abs().max() > 100 * PACKED_REL * expected.abs().max()

@@ -44,6 +44,9 @@ class AttentionBackend(ABC):
         # DSA sparse attention: [N, K] int64 request-local positions of each query's picked keys (-1: none);
         # a query sees only those of its causal keys
         key_indices: torch.Tensor | None = None,
+        # Relative logits (Inkling): [N, Hq, E] each query's logit for a key d = query_pos - key_pos back,
+        # 0 <= d < E (0 at other distances), joining its scaled scores
+        relative_logits: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [N, Hq, Dv]
         ...
 

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from nnrun.attention.classic import attn_method, bloom, falcon, mpt, xglm
+from nnrun.attention.classic import attn_method, bloom, falcon, inkling, mpt, xglm
 from nnrun.attention.hf_glue import MASK_FREE_UNDER_OUR_NAME
 
 _MODELS = "transformers.models"
@@ -24,6 +24,7 @@ ADAPTERS: dict[str, Callable[[torch.nn.Module], None]] = {
     f"{_MODELS}.mpt.modeling_mpt.MptAttention": mpt.adapt,
     f"{_MODELS}.openai.modeling_openai.Attention": attn_method.install(attn_method.OPENAI_GPT),
     f"{_MODELS}.xglm.modeling_xglm.XGLMAttention": xglm.adapt,
+    f"{_MODELS}.inkling.modeling_inkling.InklingAttention": inkling.adapt,
 }
 _ADAPTED = "_nnrun_classic_attention"  # set on an adapted module: the pass runs once per module
 # Families whose model forward needs the mask HF builds under its own implementation name (MPT calls
