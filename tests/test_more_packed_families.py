@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -18,7 +19,7 @@ from families.tiny import tiny_config
 from nnrun.attention.flashinfer_plan import flashinfer_unplanned_features
 from nnrun.position_adapters import SINUSOIDAL_POSITIONS, adapt_positions
 from packed_probs import packed_attention_probs
-from test_packed_families import assert_packed_matches_hf, hf_logits, hf_twin, prompts_of
+from test_packed_families import DECODE_STEPS, assert_packed_matches_hf, hf_logits, hf_twin, prompts_of
 from tolerance import PACKED_REL, assert_close_packed
 
 
@@ -82,7 +83,8 @@ def test_xglm_positions_bind():
     assert (at_start - shifted).abs().max() > 1e-2
 
 
-# ---- Inkling: relative logits per query and key distance (nnrun/attention/classic/inkling.py) -----
+# ---- Inkling, Inkling 2: logits per query and key distance, Inkling 2's sinks per query ----------
+# (nnrun/attention/classic/inkling.py)
 
 # Small enough that every limit binds over these prompts (3 to 11 tokens, 4 decode steps): a 4-token
 # window on the sliding layer (whose relative extent is the window), relative logits 6 back on the full
@@ -97,8 +99,8 @@ INKLING = dict(
 )
 
 
-def build_inkling(**overrides) -> torch.nn.Module:
-    config = tiny_config("inkling_text")
+def build_inkling(model_type: str = "inkling_text", **overrides) -> torch.nn.Module:
+    config = tiny_config(model_type)
     for name, value in {**INKLING, **overrides}.items():
         setattr(config, name, value)
     torch.manual_seed(0)
@@ -107,7 +109,7 @@ def build_inkling(**overrides) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # logits by distance big enough to move the softmax visibly
         for module in model.modules():
-            if type(module).__name__ == "InklingRelativeLogits":
+            if type(module).__name__.endswith("RelativeLogits"):
                 module.proj.normal_(std=2.0)
     return model
 
@@ -120,8 +122,33 @@ def test_inkling_without_log_scaling_matches_hf():
     assert_packed_matches_hf(build_inkling(log_scaling_n_floor=None))
 
 
-def test_inkling_is_served_packed_by_the_load_time_probe():
-    assert check_family("inkling_text").path == "packed"
+def test_inkling2_with_per_query_sinks_runs_packed_and_matches_hf():
+    assert_packed_matches_hf(build_inkling("inkling2_text"))
+
+
+@pytest.mark.parametrize("model_type", ["inkling_text", "inkling2_text"])
+def test_inkling_chunked_prefills_beside_decodes_match_hf(model_type):
+    """Steps of at most 6 tokens: prompts split into chunks after a cached prefix, and decodes in the same steps."""
+    model = build_inkling(model_type)
+    oracle = hf_twin(model)
+    prompts = prompts_of((5, 11, 3, 9))
+    params = nnrun.SamplingParams(max_tokens=DECODE_STEPS, temperature=0, logprobs=0, ignore_eos=True)
+    with nnrun.LLM(model, page_size=4, max_num_batched_tokens=6) as llm:
+        assert llm.runner.exact_forward is None
+        outputs = llm.generate(prompts, params)
+    for prompt, output in zip(prompts, outputs):
+        tokens = output.outputs[0].token_ids
+        expected = torch.log_softmax(hf_logits(oracle, prompt + tokens), dim=-1)  # [T, V]
+        for step, token in enumerate(tokens):
+            row = expected[len(prompt) - 1 + step]
+            assert token == row.argmax().item(), f"{model_type}: decode step {step} of a {len(prompt)}-token prompt"
+            got = torch.tensor(output.outputs[0].logprobs[step][token])
+            assert_close_packed(got, row[token], msg=f"{model_type}: logprob at decode step {step}")
+
+
+@pytest.mark.parametrize("model_type", ["inkling_text", "inkling2_text"])
+def test_inkling_is_served_packed_by_the_load_time_probe(model_type):
+    assert check_family(model_type).path == "packed"
 
 
 def test_inkling_layers_are_probed_with_relative_logits_and_kept_off_flashinfer():
@@ -132,18 +159,20 @@ def test_inkling_layers_are_probed_with_relative_logits_and_kept_off_flashinfer(
         assert "relative logits" in flashinfer_unplanned_features(layers, 4)
 
 
-def test_inkling_attention_probabilities_match_hf_eager():
-    model = build_inkling()
+@pytest.mark.parametrize("model_type", ["inkling_text", "inkling2_text"])
+def test_inkling_attention_probabilities_match_hf_eager(model_type):
+    model = build_inkling(model_type)
     oracle = hf_twin(model)
     prompts = prompts_of()
     seen = packed_attention_probs(
-        model, prompts, lambda loaded: [m for m in loaded.modules() if type(m).__name__ == "InklingAttention"]
+        model, prompts, lambda loaded: [m for m in loaded.modules() if hasattr(m, "_nnrun_classic_attention")]
     )
     for row, prompt in enumerate(prompts):
         with torch.no_grad():
             expected = oracle(torch.tensor([prompt]), output_attentions=True).attentions  # per layer [1, H, T, T]
+        assert len(expected) == len(seen) == 2
         for layer, want in enumerate(expected):
-            assert_close_packed(seen[layer].for_row(row), want, msg=f"inkling layer {layer}, prompt {row}")
+            assert_close_packed(seen[layer].for_row(row), want, msg=f"{model_type} layer {layer}, prompt {row}")
 
 
 def test_inkling_relative_logits_and_log_scaling_bind():

@@ -37,7 +37,8 @@ class AttentionBackend(ABC):
         scaling: float,
         sliding_window: int | None,
         softcap: float | None,
-        sinks: torch.Tensor | None = None,  # [Hq] one extra softmax logit per head, its probability dropped
+        # one extra softmax logit, its probability dropped: [Hq] one per head, or [N, Hq] one per query (Inkling 2)
+        sinks: torch.Tensor | None = None,
         chunk_size: int | None = None,  # chunked attention: a query sees only keys of its own chunk
         # ALiBi: [Hq] float32 slopes; `slope * (key_pos - query_pos)` joins each scaled logit (Bloom, MPT, Falcon)
         alibi_slopes: torch.Tensor | None = None,

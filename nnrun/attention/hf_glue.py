@@ -27,8 +27,9 @@ ATTN_IMPLEMENTATION = "nnrun_paged"
 # scaled their queries by positions they numbered themselves (and its relative logits, which it scaled alike).
 QUERY_RESCALE = "_nnrun_query_rescale"
 # Set (True) in an attention module's `__dict__` by nnrun/attention/classic/inkling.py: inside a step the module
-# passes as `position_bias` its queries' logits per key distance, `[1, Hq, N, E]`, not HF's dense bias.
-RELATIVE_LOGITS_AS_POSITION_BIAS = "_nnrun_relative_logits_as_position_bias"
+# passes as `position_bias` its queries' logits per key distance, `[1, Hq, N, E]` (not HF's dense bias), and
+# as `sinks` (Inkling 2) one sink logit per query and head, `[1, Hq, N, 1]`.
+PER_QUERY_SCORE_TERMS = "_nnrun_per_query_score_terms"
 # Set (True) in a model's `__dict__` by nnrun/attention/classic when its config keeps its own attention
 # implementation's name but its forward runs as well with ours and no mask: `hf_masks_skipped` uses it.
 MASK_FREE_UNDER_OUR_NAME = "_nnrun_mask_free_under_our_name"
@@ -52,9 +53,11 @@ def paged_attention_forward(
             f"packed attention expects [1, H, N, D] with only this step's tokens, got query {tuple(query.shape)} "
             f"and key {tuple(key.shape)}"
         )
-    relative_logits = None
-    if module.__dict__.get(RELATIVE_LOGITS_AS_POSITION_BIAS, False):
+    relative_logits = per_query_sinks = None
+    if module.__dict__.get(PER_QUERY_SCORE_TERMS, False):
         relative_logits = kwargs.pop("position_bias")[0].transpose(0, 1)  # [N, Hq, E]
+        per_query_sinks = kwargs.pop("sinks", None)  # [1, Hq, N, 1]
+        per_query_sinks = None if per_query_sinks is None else per_query_sinks[0, :, :, 0].T  # [N, Hq]
     _refuse_unsupported_inputs(module, kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     q = query[0].transpose(0, 1)  # [N, Hq, D]
@@ -66,6 +69,7 @@ def paged_attention_forward(
         if relative_logits is not None:
             relative_logits = (relative_logits * factors).to(relative_logits.dtype)  # [N, Hq, E]
     sliding_window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    sinks = per_query_sinks if sinks is None else sinks
     alibi_slopes = kwargs.get("alibi_slopes")  # given only by nnrun's own classic-family adapters (attention/classic)
     chunk_size = attention_chunk_size(module)
     picks = kwargs.get("indices")  # DSA sparse attention: [1, N, K] the keys each query's indexer picked

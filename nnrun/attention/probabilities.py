@@ -147,13 +147,16 @@ class AttentionProbsPlan:
             if key_indices is not None:  # [n, L]: picks are positions from 0, and DSA layers keep every key
                 picked = selected_keys(key_indices[req.q_start : req.q_start + req.q_len], slots.shape[0])
                 mask = picked if mask is None else mask & picked
+            own_sinks = (
+                sinks[req.q_start : req.q_start + req.q_len] if sinks is not None and sinks.dim() == 2 else sinks
+            )
             by_row[req.row] = _eager_probs(
                 q[req.q_start : req.q_start + req.q_len],
                 k_flat.index_select(0, slots),
                 mask,
                 scaling,
                 softcap,
-                sinks,
+                own_sinks,
                 bias,
             )
             if self.gather_heads is not None:
@@ -175,8 +178,8 @@ def _eager_probs(
     `bias` (`[Hkv, G, n, L]` float32: ALiBi's, relative logits') joins the scaled scores, computed then
     in float32 as the ALiBi families' HF attention softmaxes them.
 
-    With attention sinks (`[Hq]`), each head's sink logit joins the softmax and its probability is
-    dropped, as the sink families' eager attention returns them.
+    With attention sinks (`[Hq]`, or `[n, Hq]` one per query: Inkling 2), each head's sink logit joins
+    the softmax and its probability is dropped, as the sink families' eager attention returns them.
     """
     num_q, num_q_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
@@ -189,7 +192,10 @@ def _eager_probs(
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is not None:
-        sink_logits = sinks.view(num_kv_heads, -1, 1, 1).to(scores.dtype).expand(-1, -1, num_q, 1)  # [Hkv, G, n, 1]
+        if sinks.dim() == 1:
+            sink_logits = sinks.view(num_kv_heads, -1, 1, 1).to(scores.dtype).expand(-1, -1, num_q, 1)  # [Hkv, G, n, 1]
+        else:
+            sink_logits = sinks.T.reshape(num_kv_heads, -1, num_q, 1).to(scores.dtype)  # [Hkv, G, n, 1]
         scores = torch.cat([scores, sink_logits], dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [Hkv, G, n, L (+1)]
     if sinks is not None:

@@ -98,6 +98,7 @@ class TorchAttnBackend(AttentionBackend):
                 new_k = k.index_select(0, index).view(num, q_len, *k.shape[1:])  # [G, n, Hkv, D]
                 new_v = v.index_select(0, index).view(num, q_len, *v.shape[1:])  # [G, n, Hkv, Dv]
             relative = None if relative_logits is None else _group_rows(relative_logits, group)  # [G, n, Hq, E]
+            group_sinks = _group_rows(sinks, group) if sinks is not None and sinks.dim() == 2 else sinks  # per query
             if group.kv_slots is None:  # the whole KV is this step's: skip the pool
                 keys, values = new_k, new_v
             else:
@@ -112,7 +113,7 @@ class TorchAttnBackend(AttentionBackend):
                 scaling,
                 sliding_window,
                 softcap,
-                sinks,
+                group_sinks,
                 chunk_size,
                 alibi_slopes,
                 picks,
@@ -171,6 +172,8 @@ class TorchAttnBackend(AttentionBackend):
         if relative_logits is not None:  # [B, Hq, E]: each request's one query
             relative = relative_position_bias(relative_logits[:, :, None], keys.shape[2], -distance[:, None, None])
             bias = relative if bias is None else bias + relative  # [B, Hkv, R, 1, L]
+        if sinks is not None and sinks.dim() == 2:  # [B, Hq] one sink logit per request's query
+            sinks = sinks[:, None]  # [B, 1, Hq]
         out = _eager_attend(q[:, None], keys, values, allowed[:, None], scaling, softcap, sinks, bias)  # [B,1,Hq,Dv]
         return out[:, 0]
 
@@ -245,9 +248,8 @@ def _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias=None):
     """HF eager's arithmetic in float32: score bias, softcap, mask, softmax with each head's sink logit, then values.
 
     q [G, n, Hq, D], k/v [G, L, Hkv, D], `allowed` and `bias` (float32: ALiBi's, relative logits') broadcast
-    to [G, Hkv, R, n, L],
-    `sinks` [Hq] or None. A sink is one more logit in each query's softmax whose probability is dropped
-    (gpt-oss, Granite SWA).
+    to [G, Hkv, R, n, L], `sinks` [Hq] (one per head: gpt-oss, Granite SWA) or [G, n, Hq] (one per query and
+    head: Inkling 2) or None. A sink is one more logit in each query's softmax whose probability is dropped.
     """
     num, q_len, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
@@ -262,7 +264,10 @@ def _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias=None):
     if sinks is None:
         probs = scores.softmax(dim=-1)
     else:
-        sink_logits = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(num, -1, -1, q_len, 1)  # [G,Hkv,R,n,1]
+        if sinks.dim() == 1:  # [G, Hkv, R, n, 1] as the per-query case below
+            sink_logits = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(num, -1, -1, q_len, 1)
+        else:
+            sink_logits = sinks.float().view(num, q_len, num_kv_heads, group).permute(0, 2, 3, 1)[..., None]
         probs = torch.cat([scores, sink_logits], dim=-1).softmax(dim=-1)[..., :-1]
     out = torch.einsum("bkrnl,blkd->bnkrd", probs, v.float())  # [G, n, Hkv, R, Dv]
     return out.reshape(num, q_len, num_q_heads, -1).to(q.dtype)

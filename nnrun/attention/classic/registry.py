@@ -24,7 +24,9 @@ ADAPTERS: dict[str, Callable[[torch.nn.Module], None]] = {
     f"{_MODELS}.mpt.modeling_mpt.MptAttention": mpt.adapt,
     f"{_MODELS}.openai.modeling_openai.Attention": attn_method.install(attn_method.OPENAI_GPT),
     f"{_MODELS}.xglm.modeling_xglm.XGLMAttention": xglm.adapt,
-    f"{_MODELS}.inkling.modeling_inkling.InklingAttention": inkling.adapt,
+    f"{_MODELS}.inkling.modeling_inkling.InklingAttention": inkling.adapt_inkling,
+    f"{_MODELS}.inkling2.modeling_inkling2.Inkling2SlidingAttention": inkling.adapt_inkling2,
+    f"{_MODELS}.inkling2.modeling_inkling2.Inkling2FullAttention": inkling.adapt_inkling2,
 }
 _ADAPTED = "_nnrun_classic_attention"  # set on an adapted module: the pass runs once per module
 # Families whose model forward needs the mask HF builds under its own implementation name (MPT calls
