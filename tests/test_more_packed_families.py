@@ -1,4 +1,4 @@
-"""Decoder-only families whose attention needed more than the interface to run packed: XGLM, Inkling.
+"""Decoder-only families whose attention needed more than the interface to run packed: XGLM, Inkling, DiffLlama.
 
 Each model is built tiny (fp32, random weights). The oracle is plain HF run one prompt at a time:
 packed prefill logits of prompts of different lengths, greedy decode tokens (bitwise) and logprobs,
@@ -28,6 +28,18 @@ def build(model_type: str) -> torch.nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return AutoModelForCausalLM.from_config(tiny_config(model_type), dtype=torch.float32).eval()
+
+
+def assert_greedy_matches_hf(oracle: torch.nn.Module, prompts: list[list[int]], outputs: list, name: str) -> None:
+    """Greedy tokens equal HF's argmax (bitwise) and their logprobs HF's, each prompt run alone."""
+    for prompt, output in zip(prompts, outputs):
+        tokens = output.outputs[0].token_ids
+        expected = torch.log_softmax(hf_logits(oracle, prompt + tokens), dim=-1)  # [T, V]
+        for step, token in enumerate(tokens):
+            row = expected[len(prompt) - 1 + step]
+            assert token == row.argmax().item(), f"{name}: decode step {step} of a {len(prompt)}-token prompt"
+            got = torch.tensor(output.outputs[0].logprobs[step][token])
+            assert_close_packed(got, row[token], msg=f"{name}: logprob at decode step {step}")
 
 
 # ---- XGLM: attention of its own (nnrun/attention/classic/xglm.py), sinusoidal positions ----------
@@ -136,14 +148,7 @@ def test_inkling_chunked_prefills_beside_decodes_match_hf(model_type):
     with nnrun.LLM(model, page_size=4, max_num_batched_tokens=6) as llm:
         assert llm.runner.exact_forward is None
         outputs = llm.generate(prompts, params)
-    for prompt, output in zip(prompts, outputs):
-        tokens = output.outputs[0].token_ids
-        expected = torch.log_softmax(hf_logits(oracle, prompt + tokens), dim=-1)  # [T, V]
-        for step, token in enumerate(tokens):
-            row = expected[len(prompt) - 1 + step]
-            assert token == row.argmax().item(), f"{model_type}: decode step {step} of a {len(prompt)}-token prompt"
-            got = torch.tensor(output.outputs[0].logprobs[step][token])
-            assert_close_packed(got, row[token], msg=f"{model_type}: logprob at decode step {step}")
+    assert_greedy_matches_hf(oracle, prompts, outputs, model_type)
 
 
 @pytest.mark.parametrize("model_type", ["inkling_text", "inkling2_text"])
@@ -190,3 +195,49 @@ def test_inkling_relative_logits_and_log_scaling_bind():
         unbiased = model(ids).logits
     for changed in (unscaled, unbiased):
         assert (changed - expected).abs().max() > 100 * PACKED_REL * expected.abs().max()
+
+
+# ---- DiffLlama: two attention calls per layer over one query and key (nnrun/attention/classic/diffllama.py) --
+
+
+def test_diffllama_runs_packed_and_matches_hf():
+    assert_packed_matches_hf(build("diffllama"))
+
+
+def test_diffllama_is_served_packed_by_the_load_time_probe():
+    assert check_family("diffllama").path == "packed"
+
+
+def test_diffllama_pages_one_kv_per_layer_with_both_values():
+    """One attention call per layer; its values are both of HF's calls' values side by side (2 x head_dim)."""
+    model = build("diffllama")
+    with nnrun.LLM(model, page_size=4) as llm:
+        layers = llm.runner.layers
+    head_dim = model.config.head_dim
+    assert [layer.layer_idx for layer in layers] == [0, 1]
+    assert [(layer.kv_shape.head_dim, layer.kv_shape.v_head_dim) for layer in layers] == [(head_dim, 2 * head_dim)] * 2
+
+
+def test_diffllama_chunked_prefills_beside_decodes_match_hf():
+    model = build("diffllama")
+    oracle = hf_twin(model)
+    prompts = prompts_of((5, 11, 3, 9))
+    params = nnrun.SamplingParams(max_tokens=DECODE_STEPS, temperature=0, logprobs=0, ignore_eos=True)
+    with nnrun.LLM(model, page_size=4, max_num_batched_tokens=6) as llm:
+        assert llm.runner.exact_forward is None
+        outputs = llm.generate(prompts, params)
+    assert_greedy_matches_hf(oracle, prompts, outputs, "diffllama")
+
+
+def test_diffllama_attention_probabilities_match_hf_eager():
+    model = build("diffllama")
+    oracle = hf_twin(model)
+    prompts = prompts_of()
+    seen = packed_attention_probs(
+        model, prompts, lambda loaded: [m for m in loaded.modules() if hasattr(m, "_nnrun_classic_attention")]
+    )
+    for row, prompt in enumerate(prompts):
+        with torch.no_grad():
+            expected = oracle(torch.tensor([prompt]), output_attentions=True).attentions  # per layer [1, H, T, T]
+        for layer, want in enumerate(expected):
+            assert_close_packed(seen[layer].for_row(row), want, msg=f"diffllama layer {layer}, prompt {row}")

@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from nnrun.attention.classic import attn_method, bloom, falcon, inkling, mpt, xglm
+from nnrun.attention.classic import attn_method, bloom, diffllama, falcon, inkling, mpt, xglm
 from nnrun.attention.hf_glue import MASK_FREE_UNDER_OUR_NAME
 
 _MODELS = "transformers.models"
@@ -27,6 +27,7 @@ ADAPTERS: dict[str, Callable[[torch.nn.Module], None]] = {
     f"{_MODELS}.inkling.modeling_inkling.InklingAttention": inkling.adapt_inkling,
     f"{_MODELS}.inkling2.modeling_inkling2.Inkling2SlidingAttention": inkling.adapt_inkling2,
     f"{_MODELS}.inkling2.modeling_inkling2.Inkling2FullAttention": inkling.adapt_inkling2,
+    f"{_MODELS}.diffllama.modeling_diffllama.DiffLlamaAttention": diffllama.adapt,
 }
 _ADAPTED = "_nnrun_classic_attention"  # set on an adapted module: the pass runs once per module
 # Families whose model forward needs the mask HF builds under its own implementation name (MPT calls
