@@ -7,6 +7,7 @@ attention probabilities against HF eager's, and the load-time probe's verdict.
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -14,8 +15,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import nnrun
+from fake_flashinfer import make_fake_flashinfer
 from families.sweep import check_family
 from families.tiny import tiny_config
+from nnrun.attention.flashinfer_backend import FlashInferAttnBackend
 from nnrun.attention.flashinfer_plan import flashinfer_unplanned_features
 from nnrun.position_adapters import SINUSOIDAL_POSITIONS, adapt_positions
 from packed_probs import packed_attention_probs
@@ -108,6 +111,7 @@ INKLING = dict(
     swa_num_attention_heads=4,
     swa_num_key_value_heads=2,
     swa_head_dim=16,
+    logits_mup_width_multiplier=1.0,  # Inkling divides its logits by it (24): undivided, they are not near-uniform
 )
 
 
@@ -241,3 +245,19 @@ def test_diffllama_attention_probabilities_match_hf_eager():
             expected = oracle(torch.tensor([prompt]), output_attentions=True).attentions  # per layer [1, H, T, T]
         for layer, want in enumerate(expected):
             assert_close_packed(seen[layer].for_row(row), want, msg=f"diffllama layer {layer}, prompt {row}")
+
+
+def test_diffllama_on_the_flashinfer_backend_matches_hf(monkeypatch):
+    """Values twice as wide as keys plan FlashInfer's prefill wrapper (`head_dim_vo`) in decode steps too (its emulator)."""
+    fake = make_fake_flashinfer()
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+
+    def use_flashinfer(llm: nnrun.LLM) -> None:
+        runner = llm.runner
+        runner.attn_backend = FlashInferAttnBackend(
+            runner.kv_pool, runner.device, runner.layers, workspace_bytes=1 << 16
+        )
+
+    assert_packed_matches_hf(build("diffllama"), swap_backend=use_flashinfer)
+    plans = [call for call in fake.calls if call.kind == "plan"]
+    assert plans and all(call.kwargs["head_dim_vo"] == 2 * build("diffllama").config.head_dim for call in plans)
