@@ -261,3 +261,41 @@ def test_diffllama_on_the_flashinfer_backend_matches_hf(monkeypatch):
     assert_packed_matches_hf(build("diffllama"), swap_backend=use_flashinfer)
     plans = [call for call in fake.calls if call.kind == "plan"]
     assert plans and all(call.kwargs["head_dim_vo"] == 2 * build("diffllama").config.head_dim for call in plans)
+
+
+# ---- interpretability: nnsight reads of the adapted attention ---------------------------------
+
+BUILDERS = {
+    "xglm": lambda: build("xglm"),
+    "inkling_text": build_inkling,
+    "inkling2_text": lambda: build_inkling("inkling2_text"),
+    "diffllama": lambda: build("diffllama"),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(BUILDERS))
+def test_nnsight_reads_of_the_adapted_attention_match_hf_hooks(model_type):
+    """`self_attn.output[0]` inside a packed trace of two prompts equals a forward hook on plain HF, each prompt alone."""
+    model = BUILDERS[model_type]()
+    oracle = hf_twin(model)
+    prompts = prompts_of()[:2]
+    expected = []
+    handle = oracle.model.layers[1].self_attn.register_forward_hook(lambda module, args, out: expected.append(out[0]))
+    with torch.no_grad():
+        for prompt in prompts:
+            oracle(torch.tensor([prompt]))
+    handle.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lm = nnrun.LanguageModel(model, max_num_seqs=4, max_model_len=64)
+    try:
+        assert lm.engine.runner.exact_forward is None, f"{model_type} is served by the exact path, not packed"
+        saved = []
+        with lm.trace() as tracer:
+            for prompt in prompts:
+                with tracer.invoke(list(prompt)):
+                    saved.append(lm.model.layers[1].self_attn.output[0].save())
+    finally:
+        lm.shutdown()
+    for prompt, got, want in zip(prompts, saved, expected):
+        assert_close_packed(got, want, msg=f"{model_type}: a {len(prompt)}-token prompt")
