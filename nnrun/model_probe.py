@@ -27,6 +27,7 @@ class AttentionLayerInfo:
     # ALiBi (Bloom, MPT, Falcon): per query head, `slope * (key_pos - query_pos)` joins each scaled score
     alibi_slopes: tuple[float, ...] | None = None
     has_key_indices: bool = False  # DSA sparse attention: each query sees only the keys its indexer picked
+    has_relative_logits: bool = False  # Inkling: a logit per query and key distance joins each score
 
     @property
     def has_alibi(self) -> bool:
@@ -57,6 +58,7 @@ class _ProbeBackend(AttentionBackend):
         chunk_size=None,
         alibi_slopes=None,
         key_indices=None,
+        relative_logits=None,
     ):
         shape = LayerKVShape(num_kv_heads=k.shape[1], head_dim=k.shape[2], v_head_dim=v.shape[2])
         self.calls.append(
@@ -71,6 +73,7 @@ class _ProbeBackend(AttentionBackend):
                 chunk_size,
                 None if alibi_slopes is None else tuple(alibi_slopes.float().tolist()),
                 key_indices is not None,
+                relative_logits is not None,
             )
         )
         return q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))

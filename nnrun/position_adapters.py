@@ -6,8 +6,9 @@ every request's tokens, or start where HF starts them:
 
 - the decoders of encoder-decoder families (`*ForCausalLM` of bart, mbart, marian, pegasus, plbart,
   blenderbot, blenderbot-small, bigbird_pegasus) number positions `arange(N) + cache length` and
-  hand them to their `embed_positions` module (the same kind of module in OPT, BioGPT or XGLM is
-  adapted too, and gets the ids it was given anyway);
+  hand them to their `embed_positions` module (the same kind of module in OPT and BioGPT is adapted
+  too, and gets the ids it was given anyway);
+- XGLM's sinusoidal table takes the model's `[1, N]` `position_ids` as they are (the step's already);
 - roberta-style embeddings (roberta, xlm-roberta, xlm-roberta-xl, roberta-prelayernorm, camembert,
   data2vec-text, xmod) number positions from `padding_idx + 1`, as HF does when given no
   `position_ids`;
@@ -51,9 +52,13 @@ def _decoder_positions(module: torch.nn.Module, position_ids: torch.Tensor) -> t
 
 
 def _decoder_num_positions(module: torch.nn.Module) -> int | None:
-    if not isinstance(module, torch.nn.Embedding):  # a sinusoidal table grown on demand (XGLM's)
+    if not isinstance(module, torch.nn.Embedding):  # a table computed on demand
         return None
     return module.num_embeddings - getattr(module, "offset", 0)  # bart-style tables hold 2 extra rows
+
+
+def _given_positions(module: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+    return position_ids  # [1, N]: the module adds its own offset
 
 
 def _padding_offset_positions(module: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
@@ -65,6 +70,9 @@ def _padding_offset_num_positions(module: torch.nn.Module) -> int:
 
 
 DECODER_POSITIONS = PositionAdapter("decoder positions", _decoder_positions, _decoder_num_positions)
+# No limit of its own: the table is built for the config's `max_position_embeddings`, which bounds the context
+# already (a packed step grows it only to the step's token count, never past the largest position it is given).
+SINUSOIDAL_POSITIONS = PositionAdapter("sinusoidal positions", _given_positions, lambda module: None)
 PADDING_OFFSET_POSITIONS = PositionAdapter(
     "positions from padding_idx + 1", _padding_offset_positions, _padding_offset_num_positions
 )
@@ -78,7 +86,8 @@ def adapter_for(module: torch.nn.Module) -> PositionAdapter | None:
     if hasattr(module, "create_position_ids_from_input_ids") and hasattr(module, "padding_idx"):
         return PADDING_OFFSET_POSITIONS
     if type(module).__name__.endswith("PositionalEmbedding") and "past_key_values_length" in parameters:
-        return DECODER_POSITIONS
+        takes_position_ids_first = parameters[1] == "position_ids"  # XGLM's; bart's and OPT's take other ids first
+        return SINUSOIDAL_POSITIONS if takes_position_ids_first else DECODER_POSITIONS
     return None
 
 
@@ -154,8 +163,9 @@ def llama4_query_rescale(module: torch.nn.Module, position_ids: torch.Tensor) ->
     return _temperature(module, positions) / _temperature(module, packed)
 
 
-def _forward_parameters(module: torch.nn.Module) -> set[str]:
+def _forward_parameters(module: torch.nn.Module) -> list[str]:
+    """The names of the module's HF forward parameters, `self` first, in order."""
     try:
-        return set(inspect.signature(type(module).forward).parameters)
+        return list(inspect.signature(type(module).forward).parameters)
     except (TypeError, ValueError):
-        return set()
+        return []

@@ -231,9 +231,12 @@ class FlashInferAttnBackend(AttentionBackend):
         chunk_size=None,
         alibi_slopes=None,
         key_indices=None,
+        relative_logits=None,
     ):
         if key_indices is not None:  # `flashinfer_unplanned_features` keeps such models off this backend
             raise RuntimeError(f"layer {layer_idx} attends to its indexer's picks, which FlashInfer's plans cannot")
+        if relative_logits is not None:  # as are these
+            raise RuntimeError(f"layer {layer_idx} adds relative logits per query, which FlashInfer's kernels cannot")
         if (alibi_slopes is not None) != (layer_idx in self.alibi_layers):
             raise RuntimeError(
                 f"layer {layer_idx} attends {'with' if alibi_slopes is not None else 'without'} ALiBi "

@@ -234,7 +234,8 @@ def flashinfer_unplanned_features(layers: list, page_size: int | None) -> str | 
     attention is planned as one request per chunk, which needs chunks made of whole KV pages.
     FlashInfer's ALIBI mode takes no slopes from the caller: only layers whose slopes are its
     built-in ones (Bloom's and MPT's are; Falcon's are not) can use it. DSA sparse attention's
-    per-query key picks (DeepSeek-V3.2) are not planned: those models run on the torch backend.
+    per-query key picks (DeepSeek-V3.2) are not planned, nor Inkling's relative logits (a bias per
+    query and distance, which no FlashInfer kernel adds): those models run on the torch backend.
     """
     other_slopes = [
         layer.layer_idx
@@ -251,6 +252,12 @@ def flashinfer_unplanned_features(layers: list, page_size: int | None) -> str | 
         return (
             f"layers {sparse_layers} attend only to the keys their sparse-attention indexer picks per query, "
             "which nnrun's FlashInfer backend does not plan"
+        )
+    relative_layers = [layer.layer_idx for layer in layers if getattr(layer, "has_relative_logits", False)]
+    if relative_layers:
+        return (
+            f"layers {relative_layers} add relative logits per query and key distance (Inkling's relative position "
+            "bias), which nnrun's FlashInfer backend does not apply"
         )
     capped_sink_layers = [layer.layer_idx for layer in layers if layer.has_sinks and layer.softcap is not None]
     if capped_sink_layers:

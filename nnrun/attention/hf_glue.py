@@ -24,8 +24,12 @@ from nnrun.attention.probabilities import AttentionProbs
 ATTN_IMPLEMENTATION = "nnrun_paged"
 # An attention module may carry, under this key of its `__dict__`, a function `(module, position_ids) -> [N]`
 # of factors for its queries: set by a pass over the model (nnrun/position_adapters.py) on modules that
-# scaled their queries by positions they numbered themselves.
+# scaled their queries by positions they numbered themselves (and its relative logits, which it scaled alike).
 QUERY_RESCALE = "_nnrun_query_rescale"
+# Set (True) in an attention module's `__dict__` by nnrun/attention/classic/inkling.py: inside a step the module
+# passes as `position_bias` its queries' logits per key distance, `[1, Hq, N, E]` (not HF's dense bias), and
+# as `sinks` (Inkling 2) one sink logit per query and head, `[1, Hq, N, 1]`.
+PER_QUERY_SCORE_TERMS = "_nnrun_per_query_score_terms"
 # Set (True) in a model's `__dict__` by nnrun/attention/classic when its config keeps its own attention
 # implementation's name but its forward runs as well with ours and no mask: `hf_masks_skipped` uses it.
 MASK_FREE_UNDER_OUR_NAME = "_nnrun_mask_free_under_our_name"
@@ -49,14 +53,23 @@ def paged_attention_forward(
             f"packed attention expects [1, H, N, D] with only this step's tokens, got query {tuple(query.shape)} "
             f"and key {tuple(key.shape)}"
         )
+    relative_logits = per_query_sinks = None
+    if module.__dict__.get(PER_QUERY_SCORE_TERMS, False):
+        relative_logits = kwargs.pop("position_bias")[0].transpose(0, 1)  # [N, Hq, E]
+        per_query_sinks = kwargs.pop("sinks", None)  # [1, Hq, N, 1]
+        per_query_sinks = None if per_query_sinks is None else per_query_sinks[0, :, :, 0].T  # [N, Hq]
     _refuse_unsupported_inputs(module, kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     q = query[0].transpose(0, 1)  # [N, Hq, D]
     query_rescale = module.__dict__.get(QUERY_RESCALE)  # a module that scaled q by positions of its own
     position_ids = current_position_ids()
     if query_rescale is not None and position_ids is not None:
-        q = (q * query_rescale(module, position_ids)[:, None, None]).to(q.dtype)  # [N, Hq, D]
+        factors = query_rescale(module, position_ids)[:, None, None]  # [N, 1, 1]
+        q = (q * factors).to(q.dtype)  # [N, Hq, D]
+        if relative_logits is not None:
+            relative_logits = (relative_logits * factors).to(relative_logits.dtype)  # [N, Hq, E]
     sliding_window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    sinks = per_query_sinks if sinks is None else sinks
     alibi_slopes = kwargs.get("alibi_slopes")  # given only by nnrun's own classic-family adapters (attention/classic)
     chunk_size = attention_chunk_size(module)
     picks = kwargs.get("indices")  # DSA sparse attention: [1, N, K] the keys each query's indexer picked
@@ -73,6 +86,7 @@ def paged_attention_forward(
         chunk_size=chunk_size,
         alibi_slopes=alibi_slopes,
         key_indices=key_indices,
+        relative_logits=relative_logits,
     )  # [N, Hq, Dv]
     probs_plan = current_probs_plan()
     if probs_plan is None:  # nobody in the step asked: the second output is None, as sdpa's
@@ -89,6 +103,7 @@ def paged_attention_forward(
         chunk_size,
         alibi_slopes,
         key_indices,
+        relative_logits,
     )
     return out.unsqueeze(0), probs
 

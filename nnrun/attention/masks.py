@@ -40,3 +40,16 @@ def selected_keys(key_indices: torch.Tensor, kv_len: int) -> torch.Tensor:
     columns = torch.where(key_indices < 0, kv_len, key_indices.long())  # a pick of no key lands past the end
     hits = torch.zeros((*key_indices.shape[:-1], kv_len + 1), dtype=torch.bool, device=key_indices.device)
     return hits.scatter_(-1, columns, True)[..., :kv_len]
+
+
+def relative_position_bias(relative_logits: torch.Tensor, num_kv_heads: int, distance: torch.Tensor) -> torch.Tensor:
+    """Float32 bias from each query's own logits per backward distance (Inkling's relative position bias).
+
+    `relative_logits` is `[..., Hq, n, E]`: query q's logit for a key `d = query_pos - key_pos` positions
+    back, for `0 <= d < E`; `distance` (`query_pos - key_pos`, int64 `[..., n, L]`) broadcasts against it.
+    Keys at other distances get 0, as HF's `*RelativeLogits` gives them. Returns `[..., Hkv, R, n, L]`.
+    """
+    extent = relative_logits.shape[-1]
+    index = distance.clamp(0, extent - 1).expand(*relative_logits.shape[:-1], distance.shape[-1])  # [..., Hq, n, L]
+    bias = relative_logits.float().gather(-1, index).masked_fill((distance < 0) | (distance >= extent), 0.0)
+    return bias.unflatten(-3, (num_kv_heads, -1))  # [..., Hkv, R, n, L]

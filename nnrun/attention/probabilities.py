@@ -4,7 +4,7 @@ A packed step has no `[B, H, T, T_kv]` tensor, and the fast kernels never form t
 So for the requests that asked (`ForwardBatch.attention_probs_rows`) the HF glue recomputes them
 after the backend has attended: from the same query and from the request's keys in the paged
 pool (which the backend has just written), the way HF's eager attention does: `QK^T * scaling`,
-the ALiBi bias, the tanh softcap, the bottom-right causal and sliding-window mask, softmax in float32, cast back
+the ALiBi bias or relative logits, the tanh softcap, the bottom-right causal and sliding-window mask, softmax in float32, cast back
 to the model's dtype. The fast path's output is never touched, so the other requests of the step
 are bitwise what they would be if nobody asked.
 
@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from nnrun.attention.masks import alibi_bias, allowed_keys, selected_keys
+from nnrun.attention.masks import alibi_bias, allowed_keys, relative_position_bias, selected_keys
 from nnrun.forward_batch import ForwardBatch
 from nnrun.memory import KVPool
 
@@ -128,28 +128,36 @@ class AttentionProbsPlan:
         chunk_size: int | None = None,
         alibi_slopes: torch.Tensor | None = None,
         key_indices: torch.Tensor | None = None,
+        relative_logits: torch.Tensor | None = None,
     ) -> AttentionProbs:
         """`q` is the step's `[N, Hq, D]` queries; the layer's keys are already in the pool.
 
         `key_indices` (`[N, K]`, DSA sparse attention) leaves each query only its indexer's picks, as HF
-        folds them into eager's mask.
+        folds them into eager's mask. `relative_logits` (`[N, Hq, E]`, Inkling) add each query's logit by distance.
         """
         k_flat = kv_pool.k_flat(layer_idx)  # [num_slots, Hkv, D]
         by_row = {}
         for req in self.requests:
             slots, mask, distance = req.keys(sliding_window, chunk_size)
-            alibi = None if alibi_slopes is None else alibi_bias(alibi_slopes, k_flat.shape[1], distance)
+            bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, k_flat.shape[1], distance)
+            if relative_logits is not None:
+                own = relative_logits[req.q_start : req.q_start + req.q_len].transpose(0, 1)  # [Hq, n, E]
+                by_distance = relative_position_bias(own, k_flat.shape[1], -distance.long())  # [Hkv, R, n, L]
+                bias = by_distance if bias is None else bias + by_distance
             if key_indices is not None:  # [n, L]: picks are positions from 0, and DSA layers keep every key
                 picked = selected_keys(key_indices[req.q_start : req.q_start + req.q_len], slots.shape[0])
                 mask = picked if mask is None else mask & picked
+            own_sinks = (
+                sinks[req.q_start : req.q_start + req.q_len] if sinks is not None and sinks.dim() == 2 else sinks
+            )
             by_row[req.row] = _eager_probs(
                 q[req.q_start : req.q_start + req.q_len],
                 k_flat.index_select(0, slots),
                 mask,
                 scaling,
                 softcap,
-                sinks,
-                alibi,
+                own_sinks,
+                bias,
             )
             if self.gather_heads is not None:
                 by_row[req.row] = self.gather_heads(by_row[req.row])
@@ -163,28 +171,31 @@ def _eager_probs(
     scaling: float,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
-    alibi: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """HF eager's softmax for one request: q `[n, Hq, D]`, keys `[L, Hkv, D]`, mask `[n, L]` -> `[1, Hq, n, L]`.
 
-    `alibi` (`[Hkv, G, n, L]` float32) joins the scaled scores, computed then in float32 as the ALiBi
-    families' HF attention softmaxes them.
+    `bias` (`[Hkv, G, n, L]` float32: ALiBi's, relative logits') joins the scaled scores, computed then
+    in float32 as the ALiBi families' HF attention softmaxes them.
 
-    With attention sinks (`[Hq]`), each head's sink logit joins the softmax and its probability is
-    dropped, as the sink families' eager attention returns them.
+    With attention sinks (`[Hq]`, or `[n, Hq]` one per query: Inkling 2), each head's sink logit joins
+    the softmax and its probability is dropped, as the sink families' eager attention returns them.
     """
     num_q, num_q_heads, head_dim = q.shape
     num_kv_heads = keys.shape[1]
     grouped_q = q.view(num_q, num_kv_heads, num_q_heads // num_kv_heads, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
     scores = torch.matmul(grouped_q, keys.permute(1, 2, 0)[:, None]) * scaling  # [Hkv, G, n, L] (HF's repeat_kv)
-    if alibi is not None:
-        scores = scores.float() + alibi
+    if bias is not None:
+        scores = scores.float() + bias
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is not None:
-        sink_logits = sinks.view(num_kv_heads, -1, 1, 1).to(scores.dtype).expand(-1, -1, num_q, 1)  # [Hkv, G, n, 1]
+        if sinks.dim() == 1:
+            sink_logits = sinks.view(num_kv_heads, -1, 1, 1).to(scores.dtype).expand(-1, -1, num_q, 1)  # [Hkv, G, n, 1]
+        else:
+            sink_logits = sinks.T.reshape(num_kv_heads, -1, num_q, 1).to(scores.dtype)  # [Hkv, G, n, 1]
         scores = torch.cat([scores, sink_logits], dim=-1)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [Hkv, G, n, L (+1)]
     if sinks is not None:

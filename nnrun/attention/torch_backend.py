@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from nnrun.attention.base import AttentionBackend
-from nnrun.attention.masks import alibi_bias, allowed_keys, selected_keys
+from nnrun.attention.masks import alibi_bias, allowed_keys, relative_position_bias, selected_keys
 from nnrun.attention.step_layout import ExtendGroup, extend_groups, padded_decode_slots
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 
@@ -32,9 +32,9 @@ class TorchAttnBackend(AttentionBackend):
     bottom-right aligned), as HF's padded batch would for equal prompts; decode steps gather every
     request's KV into one padded batch. Softmax runs in float32 when a softcap or attention sinks
     or ALiBi slopes are present (as HF's eager path does); otherwise torch's SDPA kernel does the
-    work. Sliding windows, attention chunks and ALiBi biases apply per request, at its own positions,
-    and so do DSA sparse attention's picks (`key_indices`): a query sees only the causal keys its
-    indexer picked.
+    work. Sliding windows, attention chunks, ALiBi biases and relative logits (Inkling's per-query
+    logits by distance) apply per request, at its own positions, and so do DSA sparse attention's
+    picks (`key_indices`): a query sees only the causal keys its indexer picked.
     """
 
     name = "torch"
@@ -64,12 +64,22 @@ class TorchAttnBackend(AttentionBackend):
         chunk_size=None,
         alibi_slopes=None,
         key_indices=None,
+        relative_logits=None,
     ):
         meta = self.metadata
         self.kv_pool.write(layer_idx, meta.out_cache_loc, k, v)
         if meta.mode is ForwardMode.DECODE:
             return self._decode(
-                layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes, key_indices
+                layer_idx,
+                q,
+                scaling,
+                sliding_window,
+                softcap,
+                sinks,
+                chunk_size,
+                alibi_slopes,
+                key_indices,
+                relative_logits,
             )
         k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))  # [N, Hq, Dv]
@@ -87,6 +97,8 @@ class TorchAttnBackend(AttentionBackend):
                 picks = None if key_indices is None else key_indices.index_select(0, index).view(num, q_len, -1)
                 new_k = k.index_select(0, index).view(num, q_len, *k.shape[1:])  # [G, n, Hkv, D]
                 new_v = v.index_select(0, index).view(num, q_len, *v.shape[1:])  # [G, n, Hkv, Dv]
+            relative = None if relative_logits is None else _group_rows(relative_logits, group)  # [G, n, Hq, E]
+            group_sinks = _group_rows(sinks, group) if sinks is not None and sinks.dim() == 2 else sinks  # per query
             if group.kv_slots is None:  # the whole KV is this step's: skip the pool
                 keys, values = new_k, new_v
             else:
@@ -101,10 +113,11 @@ class TorchAttnBackend(AttentionBackend):
                 scaling,
                 sliding_window,
                 softcap,
-                sinks,
+                group_sinks,
                 chunk_size,
                 alibi_slopes,
                 picks,
+                relative,
             )  # [G, n, Hq, Dv]
             if group.token_indices is None:
                 out[tokens] = attended.reshape(num * q_len, *attended.shape[2:])
@@ -112,7 +125,19 @@ class TorchAttnBackend(AttentionBackend):
                 out.index_copy_(0, group.token_indices, attended.reshape(num * q_len, *attended.shape[2:]))
         return out
 
-    def _decode(self, layer_idx, q, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes, key_indices):
+    def _decode(
+        self,
+        layer_idx,
+        q,
+        scaling,
+        sliding_window,
+        softcap,
+        sinks,
+        chunk_size,
+        alibi_slopes,
+        key_indices,
+        relative_logits,
+    ):
         meta = self.metadata
         batch_slots = meta.decode_slots.flatten()  # [B * L]
         k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
@@ -127,7 +152,7 @@ class TorchAttnBackend(AttentionBackend):
             )
         if key_indices is not None:  # [B, K] each query's picks (DSA sparse attention)
             allowed = allowed & selected_keys(key_indices, keys.shape[1])[:, None, None, :]  # [B, 1, 1, L]
-        if softcap is None and sinks is None and alibi_slopes is None:
+        if softcap is None and sinks is None and alibi_slopes is None and relative_logits is None:
             out = F.scaled_dot_product_attention(
                 q[:, :, None, :],
                 keys.transpose(1, 2),
@@ -137,13 +162,26 @@ class TorchAttnBackend(AttentionBackend):
                 enable_gqa=q.shape[1] != keys.shape[2],
             )  # [B, Hq, 1, Dv]
             return out[:, :, 0]
-        alibi = None
+        bias = None
+        kv_pos = torch.arange(keys.shape[1], device=q.device)  # [L]
+        distance = kv_pos[None, :] - (meta.decode_seq_lens - 1)[:, None]  # [B, L] key_pos - query_pos
         if alibi_slopes is not None:
-            kv_pos = torch.arange(keys.shape[1], device=q.device)  # [L]
-            distance = (kv_pos[None, :] - (meta.decode_seq_lens - 1)[:, None]).float()  # [B, L] key_pos - query_pos
-            alibi = alibi_bias(alibi_slopes, keys.shape[2], distance[:, None, None, None, :])  # [B, Hkv, R, 1, L]
-        out = _eager_attend(q[:, None], keys, values, allowed[:, None], scaling, softcap, sinks, alibi)  # [B,1,Hq,Dv]
+            bias = alibi_bias(
+                alibi_slopes, keys.shape[2], distance[:, None, None, None, :].float()
+            )  # [B, Hkv, R, 1, L]
+        if relative_logits is not None:  # [B, Hq, E]: each request's one query
+            relative = relative_position_bias(relative_logits[:, :, None], keys.shape[2], -distance[:, None, None])
+            bias = relative if bias is None else bias + relative  # [B, Hkv, R, 1, L]
+        if sinks is not None and sinks.dim() == 2:  # [B, Hq] one sink logit per request's query
+            sinks = sinks[:, None]  # [B, 1, Hq]
+        out = _eager_attend(q[:, None], keys, values, allowed[:, None], scaling, softcap, sinks, bias)  # [B,1,Hq,Dv]
         return out[:, 0]
+
+
+def _group_rows(x: torch.Tensor, group: ExtendGroup) -> torch.Tensor:
+    """`[N, ...]` per-token values -> the group's `[G, n, ...]`."""
+    rows = x[group.token_span] if group.token_indices is None else x.index_select(0, group.token_indices)
+    return rows.view(group.size, group.q_len, *x.shape[1:])
 
 
 def _decode_mask(
@@ -155,23 +193,40 @@ def _decode_mask(
     return allowed_keys(q_pos, kv_pos, sliding_window, chunk_size)[:, None, None, :]
 
 
-def _attend(q, k, v, prefix_len, scaling, sliding_window, softcap, sinks, chunk_size, alibi_slopes=None, picks=None):
+def _attend(
+    q,
+    k,
+    v,
+    prefix_len,
+    scaling,
+    sliding_window,
+    softcap,
+    sinks,
+    chunk_size,
+    alibi_slopes=None,
+    picks=None,
+    relative=None,
+):
     """G requests of one shape: q [G, n, Hq, D] at positions prefix_len.., k/v [G, L, Hkv, D] at 0..L-1.
 
-    `picks` ([G, n, K] key positions, -1 for none) restricts each query to the keys its indexer picked.
+    `picks` ([G, n, K] key positions, -1 for none) restricts each query to the keys its indexer picked;
+    `relative` ([G, n, Hq, E]) are each query's logits by backward distance.
     """
     q_len, kv_len = q.shape[1], k.shape[1]
     limits_bind = any(limit is not None and limit < kv_len for limit in (sliding_window, chunk_size))
-    allowed = alibi = None
-    if prefix_len > 0 or limits_bind or alibi_slopes is not None or picks is not None:
+    allowed = bias = None
+    if prefix_len > 0 or limits_bind or alibi_slopes is not None or picks is not None or relative is not None:
         q_pos = torch.arange(prefix_len, prefix_len + q_len, device=q.device)[:, None]  # [n, 1]
         kv_pos = torch.arange(kv_len, device=q.device)[None, :]  # [1, L]
         allowed = allowed_keys(q_pos, kv_pos, sliding_window, chunk_size)  # [n, L]
         if alibi_slopes is not None:
-            alibi = alibi_bias(alibi_slopes, k.shape[2], (kv_pos - q_pos).float())  # [Hkv, R, n, L]
+            bias = alibi_bias(alibi_slopes, k.shape[2], (kv_pos - q_pos).float())  # [Hkv, R, n, L]
+        if relative is not None:
+            by_distance = relative_position_bias(relative.transpose(1, 2), k.shape[2], q_pos - kv_pos)
+            bias = by_distance if bias is None else bias + by_distance  # [G, Hkv, R, n, L]
         if picks is not None:  # per request and query: [G, 1, n, L], heads broadcast
             allowed = (allowed & selected_keys(picks, kv_len))[:, None]
-    if softcap is None and sinks is None and alibi is None:
+    if softcap is None and sinks is None and bias is None:
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -186,30 +241,33 @@ def _attend(q, k, v, prefix_len, scaling, sliding_window, softcap, sinks, chunk_
         allowed = torch.ones((q_len, kv_len), dtype=torch.bool, device=q.device).tril()
     elif picks is not None:
         allowed = allowed[:, :, None]  # [G, 1, 1, n, L] against eager's [G, Hkv, R, n, L]
-    return _eager_attend(q, k, v, allowed, scaling, softcap, sinks, alibi)
+    return _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias)
 
 
-def _eager_attend(q, k, v, allowed, scaling, softcap, sinks, alibi=None):
-    """HF eager's arithmetic in float32: ALiBi bias, softcap, mask, softmax with each head's sink logit, then values.
+def _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias=None):
+    """HF eager's arithmetic in float32: score bias, softcap, mask, softmax with each head's sink logit, then values.
 
-    q [G, n, Hq, D], k/v [G, L, Hkv, D], `allowed` and `alibi` (float32) broadcast to [G, Hkv, R, n, L],
-    `sinks` [Hq] or None. A sink is one more logit in each query's softmax whose probability is dropped
-    (gpt-oss, Granite SWA).
+    q [G, n, Hq, D], k/v [G, L, Hkv, D], `allowed` and `bias` (float32: ALiBi's, relative logits') broadcast
+    to [G, Hkv, R, n, L], `sinks` [Hq] (one per head: gpt-oss, Granite SWA) or [G, n, Hq] (one per query and
+    head: Inkling 2) or None. A sink is one more logit in each query's softmax whose probability is dropped.
     """
     num, q_len, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_q_heads // num_kv_heads
     grouped_q = q.view(num, q_len, num_kv_heads, group, head_dim)  # [G, n, Hkv, R, D]
     scores = torch.einsum("bnkrd,blkd->bkrnl", grouped_q.float(), k.float()) * scaling  # [G, Hkv, R, n, L]
-    if alibi is not None:
-        scores = scores + alibi
+    if bias is not None:
+        scores = scores + bias
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is None:
         probs = scores.softmax(dim=-1)
     else:
-        sink_logits = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(num, -1, -1, q_len, 1)  # [G,Hkv,R,n,1]
+        if sinks.dim() == 1:  # [G, Hkv, R, n, 1] as the per-query case below
+            sink_logits = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(num, -1, -1, q_len, 1)
+        else:
+            sink_logits = sinks.float().view(num, q_len, num_kv_heads, group).permute(0, 2, 3, 1)[..., None]
         probs = torch.cat([scores, sink_logits], dim=-1).softmax(dim=-1)[..., :-1]
     out = torch.einsum("bkrnl,blkd->bnkrd", probs, v.float())  # [G, n, Hkv, R, Dv]
     return out.reshape(num, q_len, num_q_heads, -1).to(q.dtype)

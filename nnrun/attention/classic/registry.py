@@ -6,7 +6,7 @@ from typing import Callable
 
 import torch
 
-from nnrun.attention.classic import attn_method, bloom, falcon, mpt
+from nnrun.attention.classic import attn_method, bloom, diffllama, falcon, inkling, mpt, xglm
 from nnrun.attention.hf_glue import MASK_FREE_UNDER_OUR_NAME
 
 _MODELS = "transformers.models"
@@ -23,6 +23,11 @@ ADAPTERS: dict[str, Callable[[torch.nn.Module], None]] = {
     f"{_MODELS}.falcon.modeling_falcon.FalconAttention": falcon.adapt,
     f"{_MODELS}.mpt.modeling_mpt.MptAttention": mpt.adapt,
     f"{_MODELS}.openai.modeling_openai.Attention": attn_method.install(attn_method.OPENAI_GPT),
+    f"{_MODELS}.xglm.modeling_xglm.XGLMAttention": xglm.adapt,
+    f"{_MODELS}.inkling.modeling_inkling.InklingAttention": inkling.adapt_inkling,
+    f"{_MODELS}.inkling2.modeling_inkling2.Inkling2SlidingAttention": inkling.adapt_inkling2,
+    f"{_MODELS}.inkling2.modeling_inkling2.Inkling2FullAttention": inkling.adapt_inkling2,
+    f"{_MODELS}.diffllama.modeling_diffllama.DiffLlamaAttention": diffllama.adapt,
 }
 _ADAPTED = "_nnrun_classic_attention"  # set on an adapted module: the pass runs once per module
 # Families whose model forward needs the mask HF builds under its own implementation name (MPT calls
