@@ -306,11 +306,14 @@ def describe_machine(llm: nnrun.LLM, args: argparse.Namespace) -> dict:
     device_name = torch.cuda.get_device_name(args.device) if is_cuda else f"cpu ({platform.machine()})"
     params = sum(p.numel() for p in llm.model.parameters())
     graphs = getattr(llm.runner, "graph_runner", None)
+    exact = llm.runner.exact_forward
     machine = {
         "device": device_name,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "attention_backend": llm.runner.attn_backend.name,
+        # the exact path's figures are HF's own forward per request, not the packed engine's
+        "forward_path": "packed" if exact is None else f"exact ({exact.reason})",
         "cuda_graphs_requested": args.cuda_graphs,
         "cuda_graph_batch_sizes": graphs.batch_sizes if graphs is not None else None,
         "dtype": str(llm.model.dtype),
@@ -328,6 +331,10 @@ def describe_machine(llm: nnrun.LLM, args: argparse.Namespace) -> dict:
         f"KV pool {machine['kv_pool_tokens']} tokens"
     )
     print(f"command: {machine['command']}")
+    if exact is not None:
+        print(
+            f"WARNING: the engine runs this model on the exact path, so these are not the packed engine's figures: {exact.reason}"
+        )
     return machine
 
 
