@@ -185,7 +185,7 @@ class _ShapeBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: Any) -> None:
         pass
 
-    def forward(self, layer_idx, q, k, v, scaling, sliding_window, softcap, **score_terms):
+    def forward(self, layer_idx, q, k, v, terms):
         return q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))  # [N, Hq, Dv]
 
 

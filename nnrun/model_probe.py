@@ -9,6 +9,7 @@ import torch
 from nnrun.attention.base import AttentionBackend
 from nnrun.attention.context import forward_context
 from nnrun.attention.indexer import unserved_indexers
+from nnrun.attention.score_terms import ScoreTerms
 from nnrun.memory import LayerKVShape
 
 
@@ -45,35 +46,21 @@ class _ProbeBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch) -> None:
         pass
 
-    def forward(
-        self,
-        layer_idx,
-        q,
-        k,
-        v,
-        scaling,
-        sliding_window,
-        softcap,
-        sinks=None,
-        chunk_size=None,
-        alibi_slopes=None,
-        key_indices=None,
-        relative_logits=None,
-    ):
+    def forward(self, layer_idx, q, k, v, terms: ScoreTerms):
         shape = LayerKVShape(num_kv_heads=k.shape[1], head_dim=k.shape[2], v_head_dim=v.shape[2])
         self.calls.append(
             AttentionLayerInfo(
                 layer_idx,
                 q.shape[1],
                 shape,
-                scaling,
-                sliding_window,
-                softcap,
-                sinks is not None,
-                chunk_size,
-                None if alibi_slopes is None else tuple(alibi_slopes.float().tolist()),
-                key_indices is not None,
-                relative_logits is not None,
+                terms.scaling,
+                terms.sliding_window,
+                terms.softcap,
+                terms.sinks is not None,
+                terms.chunk_size,
+                None if terms.alibi_slopes is None else tuple(terms.alibi_slopes.float().tolist()),
+                terms.key_indices is not None,
+                terms.relative_logits is not None,
             )
         )
         return q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))

@@ -16,6 +16,7 @@ import nnrun
 from fake_flashinfer import Call, make_fake_flashinfer
 from model_zoo import hf_logits, make_model, make_twin, random_prompts
 from nnrun.attention.flashinfer_backend import FlashInferAttnBackend
+from nnrun.attention.score_terms import ScoreTerms
 from nnrun.attention.torch_backend import TorchAttnBackend
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.memory import KVPool, LayerKVShape
@@ -212,7 +213,8 @@ def _run_step(backend, forward_batch, qkv):
     backend.init_forward_metadata(forward_batch)
     outs = []
     for layer, (q, k, v) in zip(_LAYERS, qkv):
-        outs.append(backend.forward(layer.layer_idx, q, k, v, layer.scaling, layer.sliding_window, layer.softcap))
+        terms = ScoreTerms(layer.scaling, layer.sliding_window, layer.softcap)
+        outs.append(backend.forward(layer.layer_idx, q, k, v, terms))
     return outs
 
 
@@ -294,7 +296,7 @@ def test_layer_settings_that_differ_from_the_probe_are_refused(fake):
     flashinfer_backend.init_forward_metadata(_forward_batch([req], [3], ForwardMode.EXTEND))
     q, k, v = _random_qkv(3, torch.float32, torch.Generator().manual_seed(2))[1]
     with pytest.raises(RuntimeError, match="layer 1 attends with"):
-        flashinfer_backend.forward(1, q, k, v, 0.25, None, 0.5)  # the probe saw a window of 5
+        flashinfer_backend.forward(1, q, k, v, ScoreTerms(0.25, None, 0.5))  # the probe saw a window of 5
 
 
 def test_float32_on_cuda_is_refused_before_allocating(fake):

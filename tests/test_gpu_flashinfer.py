@@ -26,6 +26,7 @@ from transformers import (
 
 import nnrun
 from model_zoo import random_prompts
+from nnrun.attention.score_terms import ScoreTerms
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.memory import KVPool, LayerKVShape
 from nnrun.model_probe import AttentionLayerInfo
@@ -259,9 +260,9 @@ def test_backend_matches_torch_backend_and_plans_once_per_group_per_step():
             q = torch.randn(n, layer.num_q_heads, shape.head_dim, device=device, generator=generator).to(dtype)
             k = torch.randn(n, shape.num_kv_heads, shape.head_dim, device=device, generator=generator).to(dtype)
             v = torch.randn(n, shape.num_kv_heads, shape.v_head_dim, device=device, generator=generator).to(dtype)
-            args = (layer.scaling, layer.sliding_window, layer.softcap)
-            got = flashinfer_backend.forward(layer.layer_idx, q, k, v, *args)
-            want = torch_backend.forward(layer.layer_idx, q, k, v, *args)
+            terms = ScoreTerms(layer.scaling, layer.sliding_window, layer.softcap)
+            got = flashinfer_backend.forward(layer.layer_idx, q, k, v, terms)
+            want = torch_backend.forward(layer.layer_idx, q, k, v, terms)
             assert got.shape == want.shape and got.dtype == dtype
             assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), (step_index, layer.layer_idx)
     assert counts["plan"] == len(flashinfer_backend.groups) * len(steps)

@@ -24,6 +24,7 @@ from fake_flashinfer import make_fake_flashinfer
 from nnrun.attention import selection
 from nnrun.attention.flashinfer_backend import FlashInferAttnBackend
 from nnrun.attention.flashinfer_plan import plan_paged_kv
+from nnrun.attention.score_terms import ScoreTerms
 from nnrun.memory import LayerKVShape
 from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
 from nnrun.position_adapters import adapt_positions, max_positions
@@ -521,8 +522,9 @@ def test_real_flashinfer_sinks_and_chunks_match_the_torch_backend():
             q = torch.randn(n, 8, 64, device=device, generator=generator).to(dtype)
             k = torch.randn(n, 2, 64, device=device, generator=generator).to(dtype)
             v = torch.randn(n, 2, 64, device=device, generator=generator).to(dtype)
-            settings = dict(sinks=sinks if layer.has_sinks else None, chunk_size=layer.chunk_size)
-            got = flashinfer_backend.forward(layer.layer_idx, q, k, v, 0.125, layer.sliding_window, None, **settings)
-            want = torch_backend.forward(layer.layer_idx, q, k, v, 0.125, layer.sliding_window, None, **settings)
+            sink_logits = sinks if layer.has_sinks else None
+            terms = ScoreTerms(0.125, layer.sliding_window, sinks=sink_logits, chunk_size=layer.chunk_size)
+            got = flashinfer_backend.forward(layer.layer_idx, q, k, v, terms)
+            want = torch_backend.forward(layer.layer_idx, q, k, v, terms)
             # bf16 inputs, two kernels' summation orders: the bound is bf16's, relative to the outputs' size
             assert torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2), (step_index, layer.layer_idx)

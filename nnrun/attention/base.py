@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from nnrun.attention.score_terms import ScoreTerms
 from nnrun.forward_batch import ForwardBatch
 from nnrun.memory import KVPool
 
@@ -34,20 +35,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [N, Hq, D]
         k: torch.Tensor,  # [N, Hkv, D]
         v: torch.Tensor,  # [N, Hkv, Dv]
-        scaling: float,
-        sliding_window: int | None,
-        softcap: float | None,
-        # one extra softmax logit, its probability dropped: [Hq] one per head, or [N, Hq] one per query (Inkling 2)
-        sinks: torch.Tensor | None = None,
-        chunk_size: int | None = None,  # chunked attention: a query sees only keys of its own chunk
-        # ALiBi: [Hq] float32 slopes; `slope * (key_pos - query_pos)` joins each scaled logit (Bloom, MPT, Falcon)
-        alibi_slopes: torch.Tensor | None = None,
-        # DSA sparse attention: [N, K] int64 request-local positions of each query's picked keys (-1: none);
-        # a query sees only those of its causal keys
-        key_indices: torch.Tensor | None = None,
-        # Relative logits (Inkling): [N, Hq, E] each query's logit for a key d = query_pos - key_pos back,
-        # 0 <= d < E (0 at other distances), joining its scaled scores
-        relative_logits: torch.Tensor | None = None,
+        terms: ScoreTerms,
     ) -> torch.Tensor:  # [N, Hq, Dv]
         ...
 

@@ -22,6 +22,7 @@ from nnrun.attention.flashinfer_plan import (
     pad_decode_plan,
     plan_forward_batch,
 )
+from nnrun.attention.score_terms import ScoreTerms
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.memory import KVPool
 from nnrun.model_probe import AttentionLayerInfo
@@ -218,21 +219,9 @@ class FlashInferAttnBackend(AttentionBackend):
         ]
         self.metadata = _StepMetadata(out_cache_loc, ForwardMode.DECODE, wrappers)
 
-    def forward(
-        self,
-        layer_idx,
-        q,
-        k,
-        v,
-        scaling,
-        sliding_window,
-        softcap,
-        sinks=None,
-        chunk_size=None,
-        alibi_slopes=None,
-        key_indices=None,
-        relative_logits=None,
-    ):
+    def forward(self, layer_idx, q, k, v, terms: ScoreTerms):
+        sinks, alibi_slopes = terms.sinks, terms.alibi_slopes
+        key_indices, relative_logits = terms.key_indices, terms.relative_logits
         if key_indices is not None:  # `flashinfer_unplanned_features` keeps such models off this backend
             raise RuntimeError(f"layer {layer_idx} attends to its indexer's picks, which FlashInfer's plans cannot")
         if relative_logits is not None:  # as are these
@@ -247,7 +236,7 @@ class FlashInferAttnBackend(AttentionBackend):
         if not meta.wrappers:
             return q.new_empty((0, q.shape[1], v.shape[-1]))  # [0, Hq, Dv]
         group_index = self.layer_to_group[layer_idx]
-        self._check_layer_call(layer_idx, self.groups[group_index], scaling, sliding_window, softcap, chunk_size)
+        self._check_layer_call(layer_idx, self.groups[group_index], terms)
         if (sinks is not None) != (layer_idx in self.sink_layers):
             raise RuntimeError(
                 f"layer {layer_idx} attends {'with' if sinks is not None else 'without'} attention "
@@ -261,7 +250,7 @@ class FlashInferAttnBackend(AttentionBackend):
         return _with_sinks(out, lse, sinks).to(q.dtype)
 
     @staticmethod
-    def _check_layer_call(layer_idx: int, group: PlanGroup, scaling, sliding_window, softcap, chunk_size) -> None:
+    def _check_layer_call(layer_idx: int, group: PlanGroup, terms: ScoreTerms) -> None:
         """The plan was built from the load-time probe; a layer that changes its settings would be wrong."""
         planned = (
             group.sm_scale,
@@ -269,10 +258,11 @@ class FlashInferAttnBackend(AttentionBackend):
             group.logits_soft_cap,
             group.chunk_size,
         )
-        if (float(scaling), sliding_window, softcap, chunk_size) != planned:
+        called = (float(terms.scaling), terms.sliding_window, terms.softcap, terms.chunk_size)
+        if called != planned:
             raise RuntimeError(
-                f"layer {layer_idx} attends with scaling={scaling}, sliding_window={sliding_window}, "
-                f"softcap={softcap}, chunk_size={chunk_size}, but the load-time probe planned {planned}"
+                f"layer {layer_idx} attends with scaling={terms.scaling}, sliding_window={terms.sliding_window}, "
+                f"softcap={terms.softcap}, chunk_size={terms.chunk_size}, but the load-time probe planned {planned}"
             )
 
 

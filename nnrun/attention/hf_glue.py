@@ -20,6 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from nnrun.attention.context import current_backend, current_position_ids, current_probs_plan
 from nnrun.attention.masks import selected_keys
 from nnrun.attention.probabilities import AttentionProbs
+from nnrun.attention.score_terms import ScoreTerms
 
 ATTN_IMPLEMENTATION = "nnrun_paged"
 # An attention module may carry, under this key of its `__dict__`, a function `(module, position_ids) -> [N]`
@@ -68,44 +69,26 @@ def paged_attention_forward(
         q = (q * factors).to(q.dtype)  # [N, Hq, D]
         if relative_logits is not None:
             relative_logits = (relative_logits * factors).to(relative_logits.dtype)  # [N, Hq, E]
-    sliding_window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
-    sinks = per_query_sinks if sinks is None else sinks
-    alibi_slopes = kwargs.get("alibi_slopes")  # given only by nnrun's own classic-family adapters (attention/classic)
-    chunk_size = attention_chunk_size(module)
+    sinks = kwargs.get("s_aux")
     picks = kwargs.get("indices")  # DSA sparse attention: [1, N, K] the keys each query's indexer picked
-    key_indices = None if picks is None else picks[0].long()  # [N, K]
-    out = backend.forward(
-        module.layer_idx,
-        q,
-        key[0].transpose(0, 1),
-        value[0].transpose(0, 1),
-        scaling=scaling,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        sinks=sinks,
-        chunk_size=chunk_size,
-        alibi_slopes=alibi_slopes,
-        key_indices=key_indices,
+    terms = ScoreTerms(
+        scaling,
+        sliding_window=kwargs.get("sliding_window"),
+        softcap=kwargs.get("softcap"),
+        sinks=per_query_sinks if sinks is None else sinks,
+        chunk_size=attention_chunk_size(module),
+        alibi_slopes=kwargs.get(
+            "alibi_slopes"
+        ),  # given only by nnrun's own classic-family adapters (attention/classic)
+        key_indices=None if picks is None else picks[0].long(),  # [N, K]
         relative_logits=relative_logits,
-    )  # [N, Hq, Dv]
+    )
+    out = backend.forward(module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1), terms)  # [N, Hq, Dv]
     probs_plan = current_probs_plan()
     if probs_plan is None:  # nobody in the step asked: the second output is None, as sdpa's
         return out.unsqueeze(0), None  # [1, N, Hq, Dv]
     # After the backend: it has written this layer's K into the pool, and its output stays as it is.
-    probs = probs_plan.compute(
-        backend.kv_pool,
-        module.layer_idx,
-        q,
-        scaling,
-        sliding_window,
-        softcap,
-        sinks,
-        chunk_size,
-        alibi_slopes,
-        key_indices,
-        relative_logits,
-    )
-    return out.unsqueeze(0), probs
+    return out.unsqueeze(0), probs_plan.compute(backend.kv_pool, module.layer_idx, q, terms)
 
 
 _CHUNK_SIZE = "_nnrun_attention_chunk_size"  # a module's chunk, read from its config on its first call

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from nnrun.attention.masks import alibi_bias, allowed_keys, relative_position_bias, selected_keys
+from nnrun.attention.score_terms import ScoreTerms
 from nnrun.forward_batch import ForwardBatch
 from nnrun.memory import KVPool
 
@@ -116,20 +117,7 @@ class AttentionProbsPlan:
             gather_heads,
         )
 
-    def compute(
-        self,
-        kv_pool: KVPool,
-        layer_idx: int,
-        q: torch.Tensor,
-        scaling: float,
-        sliding_window: int | None,
-        softcap: float | None,
-        sinks: torch.Tensor | None = None,
-        chunk_size: int | None = None,
-        alibi_slopes: torch.Tensor | None = None,
-        key_indices: torch.Tensor | None = None,
-        relative_logits: torch.Tensor | None = None,
-    ) -> AttentionProbs:
+    def compute(self, kv_pool: KVPool, layer_idx: int, q: torch.Tensor, terms: ScoreTerms) -> AttentionProbs:
         """`q` is the step's `[N, Hq, D]` queries; the layer's keys are already in the pool.
 
         `key_indices` (`[N, K]`, DSA sparse attention) leaves each query only its indexer's picks, as HF
@@ -138,25 +126,24 @@ class AttentionProbsPlan:
         k_flat = kv_pool.k_flat(layer_idx)  # [num_slots, Hkv, D]
         by_row = {}
         for req in self.requests:
-            slots, mask, distance = req.keys(sliding_window, chunk_size)
-            bias = None if alibi_slopes is None else alibi_bias(alibi_slopes, k_flat.shape[1], distance)
-            if relative_logits is not None:
-                own = relative_logits[req.q_start : req.q_start + req.q_len].transpose(0, 1)  # [Hq, n, E]
-                by_distance = relative_position_bias(own, k_flat.shape[1], -distance.long())  # [Hkv, R, n, L]
+            own = terms.of_queries(lambda x: x[req.q_start : req.q_start + req.q_len])  # this request's queries
+            slots, mask, distance = req.keys(own.sliding_window, own.chunk_size)
+            bias = None if own.alibi_slopes is None else alibi_bias(own.alibi_slopes, k_flat.shape[1], distance)
+            if own.relative_logits is not None:
+                by_distance = relative_position_bias(
+                    own.relative_logits.transpose(0, 1), k_flat.shape[1], -distance.long()
+                )  # [Hkv, R, n, L]
                 bias = by_distance if bias is None else bias + by_distance
-            if key_indices is not None:  # [n, L]: picks are positions from 0, and DSA layers keep every key
-                picked = selected_keys(key_indices[req.q_start : req.q_start + req.q_len], slots.shape[0])
+            if own.key_indices is not None:  # [n, L]: picks are positions from 0, and DSA layers keep every key
+                picked = selected_keys(own.key_indices, slots.shape[0])
                 mask = picked if mask is None else mask & picked
-            own_sinks = (
-                sinks[req.q_start : req.q_start + req.q_len] if sinks is not None and sinks.dim() == 2 else sinks
-            )
             by_row[req.row] = _eager_probs(
                 q[req.q_start : req.q_start + req.q_len],
                 k_flat.index_select(0, slots),
                 mask,
-                scaling,
-                softcap,
-                own_sinks,
+                own.scaling,
+                own.softcap,
+                own.sinks,
                 bias,
             )
             if self.gather_heads is not None:

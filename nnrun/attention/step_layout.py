@@ -34,6 +34,11 @@ class ExtendGroup:
     def size(self) -> int:
         return len(self.q_starts)
 
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """`[N, ...]` per-token values -> the group's `[G, n, ...]` (a view when its tokens are adjacent)."""
+        rows = x[self.token_span] if self.token_indices is None else x.index_select(0, self.token_indices)
+        return rows.reshape(self.size, self.q_len, *x.shape[1:])
+
 
 def padded_decode_slots(forward_batch: ForwardBatch, seq_lens: torch.Tensor, zero_slot: int) -> torch.Tensor:
     """[B, max_seq_len] int64 slots of each request's KV, padded with the pool's zero slot.

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from nnrun.attention.base import AttentionBackend
 from nnrun.attention.masks import alibi_bias, allowed_keys, relative_position_bias, selected_keys
+from nnrun.attention.score_terms import ScoreTerms
 from nnrun.attention.step_layout import ExtendGroup, extend_groups, padded_decode_slots
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 
@@ -51,93 +52,33 @@ class TorchAttnBackend(AttentionBackend):
         groups = extend_groups(forward_batch, self.device)
         self.metadata = _TorchMetadata(out_cache_loc, ForwardMode.EXTEND, groups, None, None)
 
-    def forward(
-        self,
-        layer_idx,
-        q,
-        k,
-        v,
-        scaling,
-        sliding_window,
-        softcap,
-        sinks=None,
-        chunk_size=None,
-        alibi_slopes=None,
-        key_indices=None,
-        relative_logits=None,
-    ):
+    def forward(self, layer_idx, q, k, v, terms: ScoreTerms):
         meta = self.metadata
         self.kv_pool.write(layer_idx, meta.out_cache_loc, k, v)
         if meta.mode is ForwardMode.DECODE:
-            return self._decode(
-                layer_idx,
-                q,
-                scaling,
-                sliding_window,
-                softcap,
-                sinks,
-                chunk_size,
-                alibi_slopes,
-                key_indices,
-                relative_logits,
-            )
+            return self._decode(layer_idx, q, terms)
         k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))  # [N, Hq, Dv]
         for group in meta.extend_groups:
-            num, q_len = group.size, group.q_len
-            if group.token_indices is None:  # adjacent requests: a slice viewed as [G, n, ...], no gather
-                tokens = group.token_span
-                group_q = q[tokens].view(num, q_len, *q.shape[1:])  # [G, n, Hq, D]
-                picks = None if key_indices is None else key_indices[tokens].view(num, q_len, -1)  # [G, n, K]
-                new_k = k[tokens].view(num, q_len, *k.shape[1:])  # [G, n, Hkv, D]
-                new_v = v[tokens].view(num, q_len, *v.shape[1:])  # [G, n, Hkv, Dv]
-            else:
-                index = group.token_indices
-                group_q = q.index_select(0, index).view(num, q_len, *q.shape[1:])  # [G, n, Hq, D]
-                picks = None if key_indices is None else key_indices.index_select(0, index).view(num, q_len, -1)
-                new_k = k.index_select(0, index).view(num, q_len, *k.shape[1:])  # [G, n, Hkv, D]
-                new_v = v.index_select(0, index).view(num, q_len, *v.shape[1:])  # [G, n, Hkv, Dv]
-            relative = None if relative_logits is None else _group_rows(relative_logits, group)  # [G, n, Hq, E]
-            group_sinks = _group_rows(sinks, group) if sinks is not None and sinks.dim() == 2 else sinks  # per query
+            group_q, new_k, new_v = group.rows(q), group.rows(k), group.rows(v)  # [G, n, H, D]
             if group.kv_slots is None:  # the whole KV is this step's: skip the pool
                 keys, values = new_k, new_v
             else:
                 slots = group.kv_slots.flatten()
                 keys = k_flat.index_select(0, slots).view(*group.kv_slots.shape, *k_flat.shape[1:])  # [G, L, Hkv, D]
                 values = v_flat.index_select(0, slots).view(*group.kv_slots.shape, *v_flat.shape[1:])
-            attended = _attend(
-                group_q,
-                keys,
-                values,
-                group.prefix_len,
-                scaling,
-                sliding_window,
-                softcap,
-                group_sinks,
-                chunk_size,
-                alibi_slopes,
-                picks,
-                relative,
-            )  # [G, n, Hq, Dv]
+            # [G, n, Hq, Dv]; the group's per-query terms as [G, n, ...]
+            attended = _attend(group_q, keys, values, group.prefix_len, terms.of_queries(group.rows))
+            attended = attended.reshape(group.size * group.q_len, *attended.shape[2:])
             if group.token_indices is None:
-                out[tokens] = attended.reshape(num * q_len, *attended.shape[2:])
+                out[group.token_span] = attended
             else:
-                out.index_copy_(0, group.token_indices, attended.reshape(num * q_len, *attended.shape[2:]))
+                out.index_copy_(0, group.token_indices, attended)
         return out
 
-    def _decode(
-        self,
-        layer_idx,
-        q,
-        scaling,
-        sliding_window,
-        softcap,
-        sinks,
-        chunk_size,
-        alibi_slopes,
-        key_indices,
-        relative_logits,
-    ):
+    def _decode(self, layer_idx, q, terms: ScoreTerms):
+        sliding_window, softcap, sinks, chunk_size = terms.sliding_window, terms.softcap, terms.sinks, terms.chunk_size
+        alibi_slopes, key_indices, relative_logits = terms.alibi_slopes, terms.key_indices, terms.relative_logits
         meta = self.metadata
         batch_slots = meta.decode_slots.flatten()  # [B * L]
         k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
@@ -158,7 +99,7 @@ class TorchAttnBackend(AttentionBackend):
                 keys.transpose(1, 2),
                 values.transpose(1, 2),
                 attn_mask=allowed,
-                scale=scaling,
+                scale=terms.scaling,
                 enable_gqa=q.shape[1] != keys.shape[2],
             )  # [B, Hq, 1, Dv]
             return out[:, :, 0]
@@ -174,14 +115,10 @@ class TorchAttnBackend(AttentionBackend):
             bias = relative if bias is None else bias + relative  # [B, Hkv, R, 1, L]
         if sinks is not None and sinks.dim() == 2:  # [B, Hq] one sink logit per request's query
             sinks = sinks[:, None]  # [B, 1, Hq]
-        out = _eager_attend(q[:, None], keys, values, allowed[:, None], scaling, softcap, sinks, bias)  # [B,1,Hq,Dv]
+        out = _eager_attend(
+            q[:, None], keys, values, allowed[:, None], terms.scaling, softcap, sinks, bias
+        )  # [B,1,Hq,Dv]
         return out[:, 0]
-
-
-def _group_rows(x: torch.Tensor, group: ExtendGroup) -> torch.Tensor:
-    """`[N, ...]` per-token values -> the group's `[G, n, ...]`."""
-    rows = x[group.token_span] if group.token_indices is None else x.index_select(0, group.token_indices)
-    return rows.view(group.size, group.q_len, *x.shape[1:])
 
 
 def _decode_mask(
@@ -193,25 +130,20 @@ def _decode_mask(
     return allowed_keys(q_pos, kv_pos, sliding_window, chunk_size)[:, None, None, :]
 
 
-def _attend(
-    q,
-    k,
-    v,
-    prefix_len,
-    scaling,
-    sliding_window,
-    softcap,
-    sinks,
-    chunk_size,
-    alibi_slopes=None,
-    picks=None,
-    relative=None,
-):
+def _attend(q, k, v, prefix_len, terms: ScoreTerms):
     """G requests of one shape: q [G, n, Hq, D] at positions prefix_len.., k/v [G, L, Hkv, D] at 0..L-1.
 
-    `picks` ([G, n, K] key positions, -1 for none) restricts each query to the keys its indexer picked;
-    `relative` ([G, n, Hq, E]) are each query's logits by backward distance.
+    `terms`' per-query ones are the group's, `[G, n, ...]`: `key_indices` ([G, n, K] key positions, -1
+    for none) restricts each query to the keys its indexer picked; `relative_logits` ([G, n, Hq, E]) are
+    each query's logits by backward distance.
     """
+    scaling, sliding_window, softcap, sinks = terms.scaling, terms.sliding_window, terms.softcap, terms.sinks
+    chunk_size, alibi_slopes, picks, relative = (
+        terms.chunk_size,
+        terms.alibi_slopes,
+        terms.key_indices,
+        terms.relative_logits,
+    )
     q_len, kv_len = q.shape[1], k.shape[1]
     limits_bind = any(limit is not None and limit < kv_len for limit in (sliding_window, chunk_size))
     allowed = bias = None

@@ -107,11 +107,7 @@ class IndexerStep:
 
 def _group_rows(x: torch.Tensor, group: ExtendGroup) -> torch.Tensor:
     """A `[1, N, ...]` step tensor's rows of one group, as HF's `[G, n, ...]` batch."""
-    if group.token_indices is None:
-        rows = x[:, group.token_span]
-    else:
-        rows = x.index_select(1, group.token_indices)
-    return rows.reshape(group.size, group.q_len, *x.shape[2:])
+    return group.rows(x[0])
 
 
 def _group_token_indices(group: ExtendGroup, device: torch.device) -> torch.Tensor:

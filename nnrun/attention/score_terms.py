@@ -1,0 +1,41 @@
+"""ScoreTerms: what shapes one attention call's scores besides q, k, v and the causal mask, as HF's module passes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+
+
+@dataclass(frozen=True)
+class ScoreTerms:
+    """A layer's settings (the same for every query) and its per-query terms (one row per query, `[N, ...]`)."""
+
+    scaling: float
+    sliding_window: int | None = None  # a query sees only the last `sliding_window` keys
+    softcap: float | None = None  # scores pass through tanh(scores / softcap) * softcap (Gemma 2)
+    # one extra softmax logit whose probability is dropped: [Hq] one per head, or [N, Hq] one per query (Inkling 2)
+    sinks: torch.Tensor | None = None
+    chunk_size: int | None = None  # chunked attention: a query sees only keys of its own chunk (Llama 4)
+    # ALiBi: [Hq] float32 slopes; `slope * (key_pos - query_pos)` joins each scaled score (Bloom, MPT, Falcon)
+    alibi_slopes: torch.Tensor | None = None
+    # DSA sparse attention: [N, K] int64 request-local positions of each query's picked keys (-1: none);
+    # a query sees only those of its causal keys
+    key_indices: torch.Tensor | None = None
+    # relative logits (Inkling): [N, Hq, E] each query's logit for a key d = query_pos - key_pos back,
+    # 0 <= d < E (0 at other distances), joining its scaled scores
+    relative_logits: torch.Tensor | None = None
+
+    @property
+    def per_query_sinks(self) -> bool:
+        return self.sinks is not None and self.sinks.dim() == 2
+
+    def of_queries(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> ScoreTerms:
+        """These terms for some of the queries: `rows` takes them from each `[N, ...]` per-query term."""
+        return replace(
+            self,
+            sinks=rows(self.sinks) if self.per_query_sinks else self.sinks,
+            key_indices=None if self.key_indices is None else rows(self.key_indices),
+            relative_logits=None if self.relative_logits is None else rows(self.relative_logits),
+        )
