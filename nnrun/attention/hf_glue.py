@@ -77,9 +77,8 @@ def paged_attention_forward(
         softcap=kwargs.get("softcap"),
         sinks=per_query_sinks if sinks is None else sinks,
         chunk_size=attention_chunk_size(module),
-        alibi_slopes=kwargs.get(
-            "alibi_slopes"
-        ),  # given only by nnrun's own classic-family adapters (attention/classic)
+        # ALiBi slopes are given only by nnrun's own classic-family adapters (attention/classic)
+        alibi_slopes=kwargs.get("alibi_slopes"),
         key_indices=None if picks is None else picks[0].long(),  # [N, K]
         relative_logits=relative_logits,
     )

@@ -115,10 +115,8 @@ class TorchAttnBackend(AttentionBackend):
             bias = relative if bias is None else bias + relative  # [B, Hkv, R, 1, L]
         if sinks is not None and sinks.dim() == 2:  # [B, Hq] one sink logit per request's query
             sinks = sinks[:, None]  # [B, 1, Hq]
-        out = _eager_attend(
-            q[:, None], keys, values, allowed[:, None], terms.scaling, softcap, sinks, bias
-        )  # [B,1,Hq,Dv]
-        return out[:, 0]
+        out = _eager_attend(q[:, None], keys, values, allowed[:, None], terms.scaling, softcap, sinks, bias)
+        return out[:, 0]  # [B, 1, Hq, Dv] -> [B, Hq, Dv]
 
 
 def _decode_mask(

@@ -57,7 +57,7 @@ class TensorParallelRunner(ModelRunner):
         self.layers = report["layers"]  # rank 0's: its own share of the heads
         self.max_model_len = report["max_model_len"]
         # Decode steps the ranks may replay as CUDA graphs (None: every step runs eagerly there)
-        self.rank_graph_batch_sizes: list[int] | None = report["cuda_graph_batch_sizes"]
+        self.rank_graph_batch_sizes = report["cuda_graph_batch_sizes"]
         self._build_kv_cache(report["num_pages"])
         self.attn_backend = None
 
