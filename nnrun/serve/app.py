@@ -1,5 +1,6 @@
 """The FastAPI app: one engine, the nnsight routes, the OpenAI routes, `/health`.
 
+Every refusal on the OpenAI routes, whoever raises it, takes OpenAI's error shape (`openai_errors`).
 Routes never run model code on the event loop: what they share, and how they wait on the worker
 threads, is `ServeState` (nnrun/serve/state.py).
 """
@@ -15,15 +16,21 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp
 
 from nnrun.serve.config import ServeConfig
 from nnrun.serve.drain import Drain
 from nnrun.serve.limits import Guard
+from nnrun.serve.openai_errors import error_response, http_error_response
 from nnrun.serve.state import ServeState
 
 logger = logging.getLogger("nnrun.serve")
+ROUTES_SERVED = (
+    "OpenAI's routes are GET /v1/models, POST /v1/completions and POST /v1/chat/completions; "
+    "nnsight's are under /v1/nnsight/"
+)
 
 
 def _load_anyio_backend() -> None:
@@ -78,7 +85,18 @@ def create_app(config: ServeConfig, model: Any, drain: Drain | None = None) -> A
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, error: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"detail": invalid_fields_message(error.errors())}, status_code=400)
+        errors = error.errors()
+        return error_response(request.url.path, 400, invalid_fields_message(errors), param=invalid_param(errors))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def refused(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        if error.status_code in (404, 405) and error.detail in ("Not Found", "Method Not Allowed"):  # the router's
+            error.detail = f"{request.method} {request.url.path} is not served here ({error.detail}); {ROUTES_SERVED}"
+        return http_error_response(request.url.path, error)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, error: Exception) -> JSONResponse:  # logged by Starlette, then answered
+        return error_response(request.url.path, 500, f"the server failed: {type(error).__name__}: {error}")
 
     app.include_router(trace_route.router)
     app.include_router(openai_routes.router)
@@ -95,7 +113,25 @@ def invalid_fields_message(errors: Any) -> str:
     """A request's invalid fields, each named with why (pydantic's errors, without its noise)."""
     parts = []
     for error in errors:
+        if error.get("type") == "json_invalid":
+            why = error.get("ctx", {}).get("error", "")
+            return f"the request body is not valid JSON ({why} at character {error['loc'][-1]})"
         location = [str(part) for part in error.get("loc", ()) if part != "body"]
         name = ".".join(location) or "body"
         parts.append(f"{name}: {error.get('msg', 'invalid')}")
     return "invalid request: " + "; ".join(parts)
+
+
+# What pydantic names a union's branch in an error's location (`prompt.list[int].0`): not a field.
+_BRANCH_NAMES = {"str", "int", "float", "bool", "list", "dict"}
+
+
+def invalid_param(errors: Any) -> str | None:
+    """The field the first error is about, as OpenAI's `param` names it (`messages.0.role`); None for the body."""
+    for error in errors[:1]:
+        location = [str(part) for part in error.get("loc", ()) if part != "body"]
+        if error.get("type") == "json_invalid":
+            return None
+        fields = [part for part in location if part.isidentifier() and part not in _BRANCH_NAMES or part.isdigit()]
+        return ".".join(fields) or None
+    return None

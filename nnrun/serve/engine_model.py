@@ -23,6 +23,7 @@ from interleaver.model import LanguageModel
 from interleaver.run_job import run_trace_job
 from interleaver.tracer import NNrunTracer, PendingInvoke
 from nnrun.engine import RequestHandle
+from nnrun.prompts import tokenize_prompt
 from nnrun.sampling_params import SamplingParams
 from nnrun.serve.block_watch import BlockWatch, EditWatchdog, edit_timeout_message, registration_of
 from nnrun.serve.prompt_ids import TokenizerIdentity, checked_ids
@@ -140,27 +141,54 @@ class ServedLanguageModel(LanguageModel):
         finally:
             self._request.limits = self._request.prompt_ids = None
 
-    def submit_completion(self, prompt: Any, params: SamplingParams) -> RequestHandle:
-        """Queue a plain completion (an OpenAI route's); registered edits ride it as a generation trace."""
-        if params.max_tokens is None or params.max_tokens > self.max_new_tokens_limit:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} is over this server's limit of "
-                f"{self.max_new_tokens_limit} new tokens per request"
-            )
+    def submit_completions(
+        self, prompts: list[Any], params: list[list[SamplingParams]], stream: bool = False
+    ) -> list[RequestHandle]:
+        """Queue an OpenAI request's choices: `params[i]` holds one entry per choice of `prompts[i]`.
+
+        Every prompt is checked before any choice runs (a ValueError names the prompt); the choices
+        are queued together, in order (prompt, then sample), and registered edits ride each as a
+        generation trace.
+        """
+        for choices in params:
+            for choice in choices:
+                if choice.max_tokens is None or choice.max_tokens > self.max_new_tokens_limit:
+                    raise ValueError(
+                        f"max_tokens={choice.max_tokens} is over this server's limit of "
+                        f"{self.max_new_tokens_limit} new tokens per request"
+                    )
         registrations = self.registry.active()
-        # A request carrying blocks is never preempted: a block cannot see its steps twice.
-        req = self.engine.make_request(
-            prompt, params, request_id=f"cmpl-{uuid.uuid4().hex}", preemptible=not registrations
-        )
-        if registrations:
-            job = TraceJob("generate", [], pad_token_id=self._pad_token_id())
-            job.requests[req.request_id] = req
-            attach_registered(job, registrations)
-            req.extra_args["nnsight"] = job
-        handle = self.engine.submit_requests([req], stream=True)[0]
-        if registrations:  # watched from now: until it finishes, the watchdog forgets it at its next look
+        requests = []
+        for i, (prompt, choices) in enumerate(zip(prompts, params)):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            text, token_ids = tokenize_prompt(prompt, where, self.engine.tokenizer, self.engine.vocab_size)
+            for choice in choices:
+                # A request carrying blocks is never preempted: a block cannot see its steps twice.
+                requests.append(
+                    self.engine.make_request_from_ids(
+                        list(token_ids),  # its own list: the engine's request keeps it
+                        choice,
+                        where=where,
+                        text=text,
+                        request_id=f"cmpl-{uuid.uuid4().hex}",
+                        preemptible=not registrations,
+                    )
+                )
+        jobs = [self._attach_registered(req, registrations) for req in requests] if registrations else []
+        handles = self.engine.submit_requests(requests, stream=stream)
+        for req, job in zip(
+            requests, jobs
+        ):  # watched from now: until it finishes, the watchdog forgets it at its next look
             self.edit_watchdog.watch(req, [invocation.mediator for invocation in job.invocations])
-        return handle
+        return handles
+
+    def _attach_registered(self, req: Any, registrations: list[Any]) -> TraceJob:
+        """A completion's request as a generation trace carrying the registered edits."""
+        job = TraceJob("generate", [], pad_token_id=self._pad_token_id())
+        job.requests[req.request_id] = req
+        attach_registered(job, registrations)
+        req.extra_args["nnsight"] = job
+        return job
 
     def abort_completion(self, request_id: str) -> None:
         """End a completion early; a registered edit running on it is interrupted (it would hold the engine)."""

@@ -8,7 +8,7 @@ request whose body has arrived counts against the in-flight cap, which counts HT
 served (running or waiting for the engine); one past it is refused at once with 429 and a
 `Retry-After`, rather than queued, so a client sees back-pressure instead of a timeout. `/health`
 needs no key and is never refused. (Header size and time are bounded below this, per connection:
-`http_limits`.)
+`http_limits`.) Refusals on the OpenAI routes take OpenAI's error shape (`openai_errors`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import hmac
 from fastapi import HTTPException, Request
 from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from nnrun.serve.openai_errors import error_response
 from nnrun.serve.wire import API_KEY_HEADER
 
 OPEN_PATHS = ("/health",)
@@ -96,7 +96,8 @@ def presented_key(headers: Headers) -> str | None:
 async def _refuse(
     scope: Scope, receive: Receive, send: Send, status_code: int, detail: str, headers: dict[str, str]
 ) -> None:
-    await JSONResponse({"detail": detail}, status_code=status_code, headers=headers)(scope, receive, send)
+    """Answer a refusal in the shape the path's clients read (OpenAI's on the OpenAI routes)."""
+    await error_response(scope["path"], status_code, detail, headers)(scope, receive, send)
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -2,22 +2,30 @@
 
 A field a client sets is never silently ignored when it would change the answer: unknown fields,
 wrong types (`stream="yes"`), out-of-range values (`max_tokens=0`) and fields whose OpenAI meaning
-is not served (`echo`, `logprobs`, `best_of` above 1, tools) are answered 400 naming the field.
-Fields that do not change the answer (`user`, `metadata`, `store`, `service_tier`) are accepted.
-vLLM's extra sampling fields (`top_k`, `min_p`, `min_tokens`, `ignore_eos`, `repetition_penalty`,
-`stop_token_ids`) are served with vLLM's meaning, and `logprobs` as OpenAI has it (`openai_logprobs`).
+is not served (`suffix`, `best_of` above `n`, tools) are answered 400 naming the field, in OpenAI's
+error shape with the field as `param` (`openai_errors`). Fields that do not change the answer
+(`user`, `metadata`, `store`, `service_tier`) are accepted. vLLM's extra sampling fields (`top_k`,
+`min_p`, `min_tokens`, `ignore_eos`, `repetition_penalty`, `stop_token_ids`) are served with vLLM's
+meaning, and `logprobs` as OpenAI has it (`openai_logprobs`). A completion's `prompt` may be a list
+of prompts, and `n` asks for several samples of each (`choice_params`: seeded as vLLM seeds them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Any, ClassVar
 
-from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from nnrun.sampling_params import SamplingParams
+from nnrun.serve.openai_errors import OpenAIError
 
 PositiveTokens = Annotated[StrictInt, Field(ge=1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 NumLogprobs = Annotated[StrictInt, Field(ge=0, le=20)]  # vLLM's default ceiling (OpenAI's: 5 and 20)
+MAX_N = 128  # OpenAI's ceiling on `n`
+MAX_CHOICES = 256  # choices per request (prompts x n): each is an engine request, and a stream follows each
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
 
 class StreamOptions(BaseModel):
@@ -34,7 +42,7 @@ class SamplingFields(BaseModel):
     model: StrictStr
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    n: StrictInt = 1
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1  # samples per prompt, each its own choice
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: StrictStr | Annotated[list[StrictStr], Field(max_length=4)] | None = None
@@ -81,8 +89,6 @@ class SamplingFields(BaseModel):
 
     def refuse_unserved(self) -> None:
         """400 naming the first field set to something this server would not honour."""
-        if self.n != 1:
-            raise _refused("n", self.n, "this server returns one choice per request (n=1)")
         if self.logit_bias:
             raise _refused("logit_bias", self.logit_bias, "token biases are not served")
         if self.stream_options is not None and not self.stream:
@@ -94,17 +100,43 @@ class SamplingFields(BaseModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: StrictStr | Annotated[list[StrictInt], Field(min_length=1)]
+    # One text, one list of token ids, or a list of either: one choice (n choices) per prompt.
+    prompt: (
+        StrictStr
+        | TokenIds
+        | Annotated[list[StrictStr], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
     max_tokens: PositiveTokens | None = None  # OpenAI's default: 16
     echo: StrictBool = False
     suffix: StrictStr | None = None
     best_of: StrictInt | None = None
     logprobs: NumLogprobs | None = None
 
-    unserved: ClassVar[dict[str, tuple[Any, ...]]] = {"suffix": (None,), "best_of": (None, 1)}
+    unserved: ClassVar[dict[str, tuple[Any, ...]]] = {"suffix": (None,)}
+
+    def prompts(self) -> list[Any]:
+        """The prompts to complete, each a text or a list of token ids, in the order of their choices."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def refuse_unserved(self) -> None:
+        super().refuse_unserved()
+        # best_of=n returns every sample, as n does; more would need ranking them, which is not served.
+        if self.best_of is not None and self.best_of != self.n:
+            raise _refused("best_of", self.best_of, f"only best_of=n ({self.n}) is served: every sample is returned")
+        num_choices = len(self.prompts()) * self.n
+        if num_choices > MAX_CHOICES:
+            raise _refused(
+                "n",
+                self.n,
+                f"{len(self.prompts())} prompts x n={self.n} is {num_choices} choices, over this server's limit of "
+                f"{MAX_CHOICES} per request; split the prompts over several requests",
+            )
 
     def sampling_kwargs(self) -> dict[str, Any]:
         # An echoed prompt comes back with its own logprobs when logprobs are asked for.
@@ -176,5 +208,17 @@ class ChatRequest(SamplingFields):
         return [{"role": message.role, "content": message.text()} for message in self.messages]
 
 
-def _refused(name: str, value: Any, why: str) -> HTTPException:
-    return HTTPException(status_code=400, detail=f"{name}={value!r} is refused: {why}")
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The sampling settings of a prompt's `n` choices, seeded as vLLM seeds them.
+
+    vLLM (`ParentRequest`) gives sample j of a request seeded `s` the seed `s + j`: seeded samples
+    differ from one another and each is reproducible alone, as `SamplingParams(seed=s + j)`.
+    Unseeded samples are each drawn from the engine's own generator, so they differ too.
+    """
+    if params.seed is None:
+        return [params] * n
+    return [dataclasses.replace(params, seed=params.seed + j) for j in range(n)]
+
+
+def _refused(name: str, value: Any, why: str) -> OpenAIError:
+    return OpenAIError(400, f"{name}={value!r} is refused: {why}", param=name)
