@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from nnrun.sampling_params import SamplingParams
+from nnrun.sampling_params import SEED_RANGE, SamplingParams
 from nnrun.serve.openai_errors import OpenAIError
 
 PositiveTokens = Annotated[StrictInt, Field(ge=1)]
@@ -217,6 +217,13 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     """
     if params.seed is None:
         return [params] * n
+    if params.seed + n - 1 > SEED_RANGE[1]:
+        raise _refused(
+            "seed",
+            params.seed,
+            f"with n={n} the samples are seeded seed..seed+{n - 1} (vLLM's rule), "
+            f"past the largest seed, {SEED_RANGE[1]}",
+        )
     return [dataclasses.replace(params, seed=params.seed + j) for j in range(n)]
 
 

@@ -135,3 +135,23 @@ def payloads(served, monkeypatch):
 
     monkeypatch.setattr(transport.Connection, "post", post)
     return sent
+
+
+@pytest.fixture(scope="module")
+def asgi(served):
+    """The server's app over `served`, in this process, and a keyed client of it: no socket, no server process.
+
+    Its limits are small enough to pass from a test: bodies of 64 KiB, 8 new tokens.
+    """
+    from starlette.testclient import TestClient
+
+    from nnrun.serve.app import create_app
+    from nnrun.serve.config import ServeConfig
+
+    config = ServeConfig(model="tiny-facts", api_key=API_KEY, max_new_tokens=8, max_body_bytes=2**16)
+    guard = create_app(config, served)
+    client = TestClient(guard, raise_server_exceptions=False, headers={"Authorization": f"Bearer {API_KEY}"})
+    client.guard = guard  # the limits, for tests that fill them
+    client.state = guard.app.state  # the routes' `ServeState` (guard.app is the trace route)
+    yield client
+    client.state.executor.shutdown(wait=False)
