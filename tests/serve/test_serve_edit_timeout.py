@@ -58,7 +58,8 @@ def test_a_looping_edit_on_completions_is_ended_reported_and_the_engine_serves_a
         response = complete(server.url)
         took = time.monotonic() - started
         assert response.status_code == 500, response.text
-        assert "registered edit 'spin'" in response.json()["detail"] and "taken off" in response.json()["detail"]
+        message = response.json()["error"]["message"]
+        assert "registered edit 'spin'" in message and "taken off" in message
         assert took < 1 + 4, f"the block timeout is 1 s, the completion took {took:.1f} s"
 
         status = edit.status()
@@ -120,7 +121,7 @@ def test_sigterm_stops_a_server_whose_engine_an_edit_holds():
         assert status == 0, server.output()
         sender.join(timeout=10)
         assert answers and answers[0].status_code == 503
-        assert "shutting down" in answers[0].json()["detail"]
+        assert "shutting down" in answers[0].json()["error"]["message"]
     finally:
         model.shutdown()
         server.kill()

@@ -1,4 +1,4 @@
-"""Every OpenAI field is served with OpenAI's meaning or refused with a 400 that names it.
+"""Every OpenAI field is served with OpenAI's meaning or refused with a 400 that names it (OpenAI's `param`).
 
 Served fields are checked against local generation (`nnrun.LLM.generate`, greedy) with the same
 sampling settings; refused ones against the field name in the answer.
@@ -33,7 +33,8 @@ REFUSED_COMPLETIONS = [
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
     ({"suffix": "!"}, "suffix"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 129}, "n"),
     ({"logit_bias": {"50": 100}}, "logit_bias"),
     ({"temperature": 3}, "temperature"),
     ({"top_p": 0}, "top_p"),
@@ -41,7 +42,7 @@ REFUSED_COMPLETIONS = [
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"no_such_field": 1}, "no_such_field"),
-    ({"prompt": ["two", "prompts"]}, "prompt"),
+    ({"prompt": ["a text", [1, 2]]}, "prompt"),
     ({"model": 7}, "model"),
 ]
 REFUSED_CHAT = [
@@ -65,14 +66,16 @@ def post(server, path: str, body: dict) -> httpx.Response:
 def test_completions_refuse_what_they_do_not_serve_naming_the_field(server, change, field):
     response = post(server, "/v1/completions", {**BASE, **change})
     assert response.status_code == 400, response.text
-    assert field in response.json()["detail"], response.text
+    error = response.json()["error"]
+    assert field in error["message"] and error["param"] == field, response.text
 
 
 @pytest.mark.parametrize("change, field", REFUSED_CHAT, ids=[f for _, f in REFUSED_CHAT])
 def test_chat_refuses_what_it_does_not_serve_naming_the_field(server, change, field):
     response = post(server, "/v1/chat/completions", {**CHAT, **change})
     assert response.status_code == 400, response.text
-    assert field in response.json()["detail"], response.text
+    error = response.json()["error"]
+    assert field in error["message"] and error["param"] == field, response.text
 
 
 def test_served_fields_mean_what_they_mean_locally(server, local_model):
