@@ -13,9 +13,11 @@ Server side, one job per file:
   payload        a serialized nnsight trace rebuilt over the server's own tree
   trace_route    /v1/nnsight/generate, /v1/nnsight/register/{id}, /v1/nnsight/clear
   registration   registered edits: a block run for every request
-  openai_routes  /v1/models, /v1/completions, /v1/chat/completions (SSE streaming)
-  openai_protocol  the OpenAI request bodies: each field served or refused by name
+  openai_routes  /v1/models, /v1/completions, /v1/chat/completions (SSE streaming), several choices each
+  openai_protocol  the OpenAI request bodies: each field served or refused by name; n samples' seeds
+  openai_answer  an answer's choices (prompt by sample), their logprobs and echo, the usage
   openai_logprobs  log-probabilities in OpenAI's completion and chat shapes
+  openai_errors  refusals in OpenAI's shape {"error": {message, type, param, code}} on the OpenAI routes
   wire           the bytes both sides exchange: headers, results, deferred errors
 Client side:
   client         RemoteLanguageModel (`nnrun.LanguageModel(name, serve=url)`), its tracer and backend

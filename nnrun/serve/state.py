@@ -29,8 +29,8 @@ class ServeState:
         self.config = config
         self.model = model
         self.drain = drain if drain is not None else Drain()
-        # A request in flight holds at most two workers at once (a completion: submitting, then following its
-        # stream); the Guard's cap keeps them within this pool.
+        # A request in flight holds at most two workers at once (a completion: submitting, then waiting for its
+        # choices; a stream's choices are followed on threads of their own); the Guard's cap keeps them within this pool.
         self.executor = ThreadPoolExecutor(max_workers=2 * config.max_in_flight, thread_name_prefix="nnrun-serve")
         self.is_stopping = False
 
