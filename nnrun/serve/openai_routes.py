@@ -192,8 +192,9 @@ async def _stream(
         async for index, output in _follow(state, handles, deadline, streamed=True):
             completion = output.outputs[0]
             text = completion.text
-            delta = text[len(sent[index]) :] if text.startswith(sent[index]) else ""
-            sent[index] = text if text.startswith(sent[index]) else sent[index]
+            delta = ""
+            if text.startswith(sent[index]):  # else the text shrank (a stop string trimmed): nothing new
+                delta, sent[index] = text[len(sent[index]) :], text
             reason = completion.finish_reason if output.finished else None
             if delta or reason:
                 piece = {"delta": {"content": delta}} if answer.chat else {"text": delta}
