@@ -128,10 +128,8 @@ _BRANCH_NAMES = {"str", "int", "float", "bool", "list", "dict"}
 
 def invalid_param(errors: Any) -> str | None:
     """The field the first error is about, as OpenAI's `param` names it (`messages.0.role`); None for the body."""
-    for error in errors[:1]:
-        location = [str(part) for part in error.get("loc", ()) if part != "body"]
-        if error.get("type") == "json_invalid":
-            return None
-        fields = [part for part in location if part.isidentifier() and part not in _BRANCH_NAMES or part.isdigit()]
-        return ".".join(fields) or None
-    return None
+    if not errors or errors[0].get("type") == "json_invalid":
+        return None
+    location = [str(part) for part in errors[0].get("loc", ()) if part != "body"]
+    fields = [part for part in location if (part.isidentifier() and part not in _BRANCH_NAMES) or part.isdigit()]
+    return ".".join(fields) or None

@@ -176,9 +176,8 @@ class ServedLanguageModel(LanguageModel):
                 )
         jobs = [self._attach_registered(req, registrations) for req in requests] if registrations else []
         handles = self.engine.submit_requests(requests, stream=stream)
-        for req, job in zip(
-            requests, jobs
-        ):  # watched from now: until it finishes, the watchdog forgets it at its next look
+        # Watched from now: once one finishes, the watchdog forgets it at its next look.
+        for req, job in zip(requests, jobs):
             self.edit_watchdog.watch(req, [invocation.mediator for invocation in job.invocations])
         return handles
 
