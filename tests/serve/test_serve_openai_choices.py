@@ -86,6 +86,11 @@ def test_seeded_samples_are_the_engines_requests_seeded_s_plus_j(asgi, served):
     again = post(asgi, {**BASE, "prompt": PROMPTS[0], "n": n, "temperature": HOT, "seed": SEED})
     assert [choice["text"] for choice in again["choices"]] == [e.text for e in expected]
 
+    # Unseeded, each sample is drawn apart too. " Rome." comes about 4 times in 5: 64 of them all alike would
+    # happen about once in 10^6 runs.
+    unseeded = post(asgi, {**BASE, "prompt": PROMPTS[0], "n": 64, "temperature": HOT})
+    assert len({choice["text"] for choice in unseeded["choices"]}) > 1
+
     # A list and n: choice i * n + j is prompt i's sample j.
     listed = post(asgi, {**BASE, "prompt": PROMPTS[:2], "n": 2, "temperature": HOT, "seed": SEED})
     assert [choice["index"] for choice in listed["choices"]] == [0, 1, 2, 3]
