@@ -62,9 +62,8 @@ def missing_attribute(envoy: Any, module: Any, name: str) -> AttributeError:
     attributes = [n for n in dir(module) if not n.startswith("_")]  # dir() lists the submodules again
     candidates = list(dict.fromkeys([*children, *ENVOY_VALUES, *attributes]))
     close = difflib.get_close_matches(name, candidates, n=3)
-    hint = f"; did you mean {', '.join('.' + c for c in close)}?" if close else ""
-    where = user_path(envoy.path)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
     return AttributeError(
-        f"{where}.{name}: {type(module).__name__} at {where!r} has no submodule or attribute "
+        f"{envoy.path}.{name}: {type(module).__name__} at {envoy.path!r} has no submodule or attribute "
         f"{name!r}{hint} (its submodules: {', '.join(children) or 'none'})"
     )

@@ -42,10 +42,10 @@ def test_a_misspelled_submodule_is_suggested_once(model):
     with pytest.raises(AttributeError) as caught:
         model.model.layer
     message = str(caught.value)
-    assert "did you mean .layers?" in message and message.count("layers") == 2  # the hint, and the submodule list
+    assert "did you mean 'layers'?" in message and message.count("layers") == 2  # the hint, and the submodule list
 
 
-@pytest.mark.parametrize(("wrong", "right"), [("outputs", ".output"), ("inptu", ".input")])
+@pytest.mark.parametrize(("wrong", "right"), [("outputs", "'output'"), ("inptu", "'input'")])
 def test_envoy_values_are_suggested(model, wrong, right):
     with pytest.raises(AttributeError, match=f"did you mean {right}"):
         getattr(model.model.layers[1], wrong)
