@@ -33,11 +33,21 @@ from nnrun.loader import _load_tokenizer, _refuse_before_building, _resolve_path
 class EngineRecipe:
     """What `LLM(...)` is called with when the engine is built."""
 
-    model_or_path: str
+    model_or_path: Any  # a checkpoint's name, or an in-memory model (built at once)
     device: str
     dtype: Any
     runner_cls: type
     options: dict = field(default_factory=dict)
+
+    def build(self, tokenizer: Any) -> LLM:
+        return LLM(
+            self.model_or_path,
+            tokenizer=tokenizer,
+            device=self.device,
+            dtype=self.dtype,
+            runner_cls=self.runner_cls,
+            **self.options,
+        )
 
 
 @dataclass
@@ -72,6 +82,16 @@ class EngineSlot:
         return engine
 
 
+def open_slot(recipe: EngineRecipe, tokenizer: Any, lazy: bool) -> tuple[EngineSlot, torch.nn.Module, Any, Any]:
+    """A model's engine slot, and the module tree, tokenizer and engine interleaver its client tree starts with."""
+    if lazy:
+        slot = EngineSlot(recipe=recipe)
+        slot.meta = build_meta_model(recipe.model_or_path, tokenizer, recipe)
+        return slot, slot.meta.module, slot.meta.tokenizer, None
+    engine = recipe.build(tokenizer)
+    return EngineSlot(engine=engine), engine.model, engine.tokenizer, engine.runner.interleaver
+
+
 def build_meta_model(model_or_path: str, tokenizer: Any, recipe: EngineRecipe) -> MetaModel:
     """The checkpoint's config and tokenizer, and its module tree on the meta device; the options are checked now."""
     config = EngineConfig.from_kwargs(
@@ -100,14 +120,7 @@ def build_meta_model(model_or_path: str, tokenizer: Any, recipe: EngineRecipe) -
 
 
 def _dispatch(model: Any, recipe: EngineRecipe, meta: MetaModel) -> LLM:
-    engine = LLM(
-        recipe.model_or_path,
-        tokenizer=model.tokenizer,
-        device=recipe.device,
-        dtype=recipe.dtype,
-        runner_cls=recipe.runner_cls,
-        **recipe.options,
-    )
+    engine = recipe.build(model.tokenizer)
     attached = _attached_modules(meta)
     for parent_path, name, module in attached:
         setattr(engine.model.get_submodule(parent_path), name, module)

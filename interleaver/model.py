@@ -4,6 +4,8 @@ The model owns an engine (`nnrun.LLM` with `NNsightGPUModelRunner`) and an nnsig
 engine's HF module with the same paths as the runner's tree. Traces collect invokes on this tree
 (`NNrunTracer`), and every prompt becomes one engine request; the engine thread runs the blocks.
 Many threads may trace at once: a trace keeps its invokes on the tracer, never on the model.
+A checkpoint given by name starts as a meta tree; its engine is built at the first trace
+(interleaver/lazy_engine.py), as nnsight dispatches.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from interleaver.keywords import (
     engine_kwargs,
     refuse_backends,
 )
-from interleaver.lazy_engine import EngineRecipe, EngineSlot, build_meta_model
+from interleaver.lazy_engine import EngineRecipe, open_slot
 from interleaver.mediator import PackedInterleaver, ServedValues
 from interleaver.nnsight_private import tracing_thread_state
 from interleaver.run_job import run_trace_job
@@ -177,21 +179,8 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         tensor_parallel = options.get("tensor_parallel_size", 1) != 1
         runner_cls = TensorParallelNNsightRunner if tensor_parallel else NNsightGPUModelRunner
         recipe = EngineRecipe(model_or_path, device, dtype, runner_cls, options)
-        if self.builds_engine_lazily and isinstance(model_or_path, str) and not dispatch and not tensor_parallel:
-            slot = EngineSlot(recipe=recipe)
-            slot.meta = build_meta_model(model_or_path, tokenizer, recipe)
-            module, tokenizer, engine_interleaver = slot.meta.module, slot.meta.tokenizer, None
-        else:
-            slot = EngineSlot(
-                engine=LLM(
-                    model_or_path, tokenizer=tokenizer, device=device, dtype=dtype, runner_cls=runner_cls, **options
-                )
-            )
-            module, tokenizer, engine_interleaver = (
-                slot.engine.model,
-                slot.engine.tokenizer,
-                slot.engine.runner.interleaver,
-            )
+        lazy = self.builds_engine_lazily and isinstance(model_or_path, str) and not dispatch and not tensor_parallel
+        slot, module, tokenizer, engine_interleaver = open_slot(recipe, tokenizer, lazy)
         apply_tokenizer_settings(tokenizer, tokenizer_settings)
         # Aliases live on the client tree only: they point at the same envoys, whose paths (what the
         # engine's interleaver is asked for) stay HF's.
