@@ -190,3 +190,29 @@ def test_an_unknown_engine_option_is_refused_at_construction_without_loading():
 
     with pytest.raises(ValueError, match="unknown engine option 'max_num_seq'"):
         nnrun.LanguageModel("tiny-facts-gpt2", max_num_seq=4)
+
+
+def test_threads_that_trace_first_at_once_share_one_engine(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import nnrun
+    from interleaver.lazy_engine import EngineRecipe
+
+    builds = []
+    build = EngineRecipe.build
+    monkeypatch.setattr(EngineRecipe, "build", lambda recipe, tokenizer: builds.append(1) or build(recipe, tokenizer))
+    ours = nnrun.LanguageModel("tiny-facts-gpt2")
+
+    def logits(_):
+        with ours.trace(PROMPT):
+            value = ours.lm_head.output.save()
+        return value
+
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            values = list(pool.map(logits, range(4)))
+        assert len(builds) == 1
+        for value in values[1:]:  # the same prompt: packed with others or alone, within float rounding
+            assert_same(values[0], value, "logits")
+    finally:
+        ours.shutdown()
