@@ -19,6 +19,8 @@ import torch
 def mirror_on_engine(client_parent: Any, name: str, module: torch.nn.Module) -> None:
     """Give `module` (now `client_parent.<name>`) an envoy in the runner's tree too."""
     engine = client_parent.interleaver.engine_interleaver
+    if engine is None:  # no engine yet (a meta tree): it is attached to the engine's model when that is built
+        return
     if engine.envoys.get(id(module)) is not None:  # built with the model: the runner tree has it
         return
     runner_parent = engine.envoys.get(id(client_parent._module))

@@ -24,6 +24,7 @@ from nnsight.util import apply
 from interleaver.batcher import InvalidWriteError, PackedBatcher
 from interleaver.block_interrupt import RunningBlocks
 from interleaver.grads import sink_grads
+from interleaver.skips import throw_unless_skipped
 from interleaver.sources import CALLABLE_SUFFIX, forget_if_other_callable
 
 
@@ -112,7 +113,7 @@ class PackedMediator(Mediator):
                 try:
                     value = batcher.widen(value, group, pending.value)
                 except InvalidWriteError as error:
-                    self.pending = self.throw(error)
+                    self.pending = throw_unless_skipped(self, provider, error)
                 else:
                     self.edited_at = provider
                     self.pending = self.switch()

@@ -4,11 +4,12 @@ The model owns an engine (`nnrun.LLM` with `NNsightGPUModelRunner`) and an nnsig
 engine's HF module with the same paths as the runner's tree. Traces collect invokes on this tree
 (`NNrunTracer`), and every prompt becomes one engine request; the engine thread runs the blocks.
 Many threads may trace at once: a trace keeps its invokes on the tracer, never on the model.
+A checkpoint given by name starts as a meta tree; its engine is built at the first trace
+(interleaver/lazy_engine.py), as nnsight dispatches.
 """
 
 from __future__ import annotations
 
-import difflib
 import itertools
 from typing import Any
 
@@ -24,6 +25,7 @@ from nnsight.tracing.tracer import WithBlockNotFoundError
 from interleaver.attach import mirror_on_engine
 from interleaver.attentions import ATTENTION_KWARGS, attention_args, check_spanning_invokes
 from interleaver.edits import edit_invocations, edits_ask_for_grad, generate_with_edits
+from interleaver.envoy_messages import InsideTrace, missing_attribute
 from interleaver.generator import add_generator, user_streamer
 from interleaver.jobs import Invocation, TraceJob, pad_sequences
 from interleaver.keywords import (
@@ -36,6 +38,7 @@ from interleaver.keywords import (
     engine_kwargs,
     refuse_backends,
 )
+from interleaver.lazy_engine import EngineRecipe, open_slot
 from interleaver.mediator import PackedInterleaver, ServedValues
 from interleaver.nnsight_private import tracing_thread_state
 from interleaver.run_job import run_trace_job
@@ -55,9 +58,9 @@ _request_seq = itertools.count()
 
 
 class ClientInterleaver(Interleaver):
-    """The client tree's interleaver: it never runs a forward; `engine_interleaver` does."""
+    """The client tree's interleaver: it never runs a forward; `engine_interleaver` does (None until the engine is built)."""
 
-    def __init__(self, engine_interleaver: PackedInterleaver) -> None:
+    def __init__(self, engine_interleaver: PackedInterleaver | None) -> None:
         super().__init__()
         self.engine_interleaver = engine_interleaver
 
@@ -68,6 +71,8 @@ class _ClientEnvoyMixin:
     def __call__(self, *args: Any, hook: bool = False, **kwargs: Any) -> Any:
         """An ad-hoc module call inside a block (a logit lens) must not be served as the real visit."""
         engine = self.interleaver.engine_interleaver
+        if engine is None:  # no engine yet: no trace is running, so this is a plain call of the module
+            return Envoy.__call__(self, *args, hook=hook, **kwargs)
         if engine.interleaving and not hook:
             engine.interleaving = False
             try:
@@ -97,13 +102,12 @@ class _ClientEnvoyMixin:
             module = self.__dict__.get("_module")
             if name.startswith("_") or module is None:
                 raise
-            children = list(module._modules)
-            close = difflib.get_close_matches(name, children + [n for n in dir(module) if not n.startswith("_")], n=3)
-            hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-            raise AttributeError(
-                f"{self.path}.{name}: {type(module).__name__} at {self.path!r} has no submodule or attribute "
-                f"{name!r}{hint} (its submodules: {', '.join(children) or 'none'})"
-            ) from None
+            raise missing_attribute(self, module, name) from None
+
+    # Outside a trace, these say to read them inside `with model.trace(...)`.
+    output = InsideTrace(Envoy.output, "output")
+    input = InsideTrace(Envoy.input, "input")
+    inputs = InsideTrace(Envoy.inputs, "inputs")
 
 
 class ClientEnvoy(_ClientEnvoyMixin, Envoy):
@@ -112,11 +116,8 @@ class ClientEnvoy(_ClientEnvoyMixin, Envoy):
 
 def set_nnsight_attributes(model: Any, model_or_path: Any, revision: str | None, given: dict) -> None:
     """The public attributes scripts read off nnsight's `LanguageModel`, with nnsight's values."""
-    repo_id = (
-        model_or_path if isinstance(model_or_path, str) else getattr(model.engine.model.config, "_name_or_path", None)
-    )
+    repo_id = model_or_path if isinstance(model_or_path, str) else getattr(model._module.config, "_name_or_path", None)
     attributes = {
-        "dispatched": True,  # the engine loads the weights when it is built: there is no meta state
         "repo_id": repo_id,
         "revision": revision,
         "args": (model_or_path,),
@@ -137,7 +138,9 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
 
     `LanguageModel(model_or_path, tokenizer=None, device="cpu", dtype=None, **engine_kwargs)`
     builds an engine over the model (an HF `PreTrainedModel`, a checkpoint folder, a hub id or a
-    bundled name) and mirrors its module tree: `model.model.layers[0].output` etc. nnsight's own
+    bundled name) and mirrors its module tree: `model.model.layers[0].output` etc. As on nnsight,
+    a checkpoint given by name is built on the meta device and its engine (which loads the weights)
+    at the first trace or generate, unless `dispatch=True` (interleaver/lazy_engine.py). nnsight's own
     constructor keywords keep nnsight's meaning (`torch_dtype`, a one-device `device_map`,
     `tokenizer_kwargs`, `revision`, ...) or are refused by name (interleaver/keywords.py).
     `model.generator` serves a generation's ids and its streamer's calls (interleaver/generator.py).
@@ -171,25 +174,39 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         given = {key: value for key, value in named.items() if value is not None}
         given.update({key: value for key, value in kwargs.items() if key not in ("dispatch", "meta_buffers")})
         revision = kwargs.get("revision")
+        dispatch = bool(kwargs.get("dispatch"))
         device, dtype, options, tokenizer_settings = engine_kwargs(model_or_path, device, dtype, kwargs)
         tensor_parallel = options.get("tensor_parallel_size", 1) != 1
         runner_cls = TensorParallelNNsightRunner if tensor_parallel else NNsightGPUModelRunner
-        engine = LLM(model_or_path, tokenizer=tokenizer, device=device, dtype=dtype, runner_cls=runner_cls, **options)
-        apply_tokenizer_settings(engine.tokenizer, tokenizer_settings)
+        recipe = EngineRecipe(model_or_path, device, dtype, runner_cls, options)
+        lazy = self.builds_engine_lazily and isinstance(model_or_path, str) and not dispatch and not tensor_parallel
+        slot, module, tokenizer, engine_interleaver = open_slot(recipe, tokenizer, lazy)
+        apply_tokenizer_settings(tokenizer, tokenizer_settings)
         # Aliases live on the client tree only: they point at the same envoys, whose paths (what the
         # engine's interleaver is asked for) stay HF's.
-        super().__init__(
-            engine.model, interleaver=ClientInterleaver(engine.runner.interleaver), envoys=ClientEnvoy, rename=rename
-        )
-        object.__setattr__(self, "engine", engine)
-        object.__setattr__(self, "tokenizer", engine.tokenizer)
+        super().__init__(module, interleaver=ClientInterleaver(engine_interleaver), envoys=ClientEnvoy, rename=rename)
+        object.__setattr__(self, "_engine_slot", slot)
+        object.__setattr__(self, "tokenizer", tokenizer)
         set_nnsight_attributes(self, model_or_path, revision, given)
         add_generator(self)
         if tensor_parallel:  # blocks travel to the ranks; this tree's envoys travel by path
             tag_envoys(self)
 
+    builds_engine_lazily = True  # a checkpoint given by name: the engine is built at the first trace
+
+    @property
+    def engine(self) -> LLM:
+        """The engine that runs this model's traces; built (the weights loaded) on first use."""
+        return self._engine_slot.get(self)
+
+    @property
+    def dispatched(self) -> bool:
+        """Whether the weights are loaded (nnsight's name): the engine has been built."""
+        return self._engine_slot.engine is not None
+
     def dispatch(self) -> None:
-        """nnsight loads a meta model's weights here; nnrun's engine holds them from the start."""
+        """Load the weights now: build the engine (a no-op once built), as nnsight's `dispatch()`."""
+        self.engine
 
     # ---- tracing --------------------------------------------------------------------------
     def trace(self, *inputs: Any, trace: bool = True, **kwargs: Any) -> Any:
@@ -199,6 +216,7 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         """
         refuse_backends("trace", kwargs)
         _check_kwargs("trace", kwargs, TRACE_KWARGS + ATTENTION_KWARGS)  # generation settings: ignored, as on HF
+        self.dispatch()
         if not trace:
             return self._forward_plain(inputs, kwargs)
         return NNrunTracer(self, "trace", *inputs, **kwargs)
@@ -213,6 +231,7 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         """`with model.generate(prompt, max_new_tokens=...)`; called plainly, returns the token ids."""
         refuse_backends("generate", kwargs)
         _check_kwargs("generate", kwargs, GENERATE_KWARGS + STREAMER_KWARGS + ATTENTION_KWARGS)
+        self.dispatch()
         tracer = NNrunTracer(self, "generate", *inputs, **kwargs)
         try:
             tracer.capture()
@@ -225,7 +244,8 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         return ScanTracer(self, *inputs, **kwargs)
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self.dispatched:  # an engine never built has nothing to stop
+            self.engine.shutdown()
 
     # ---- what the tracer asks of the model ------------------------------------------------
     def _batch_size(self, *inputs: Any, **kwargs: Any) -> int:
@@ -381,3 +401,6 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
             repetition_penalty=setting("repetition_penalty"),
             seed=kwargs.get("seed"),
         )
+
+
+TransformersModel = LanguageModel  # nnsight 0.8.1's name for LanguageModel (which it deprecates; nnrun keeps both)

@@ -216,12 +216,15 @@ class NNsightRequestHelper:
                 mediator.exception = as_block_error(error)
         if mediator.alive and mediator.pending is not None:
             self._unwind(invocation)
-        unpin_block_saves([invocation], memo)
+        # An edit's names are never pushed, so it unpins and claims no save: a value it bound may be an invoke's.
+        if not invocation.is_edit:
+            unpin_block_saves([invocation], memo)
         error = mediator.exception
         if error is not None and not isinstance(error, EarlyStopException) and invocation.error is None:
             invocation.error = error
         saved = saved_value_ids()  # only names the block bound: its scope also holds the caller's snapshot
-        invocation.saves = {name: value for name, value in mediator.lcls.writes().items() if id(value) in saved}
+        writes = {} if invocation.is_edit else mediator.lcls.writes()
+        invocation.saves = {name: value for name, value in writes.items() if id(value) in saved}
         for value in invocation.saves.values():
             saved.discard(id(value))
         mediator.worker = None  # frees the greenlet and its frames

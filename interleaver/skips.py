@@ -5,6 +5,10 @@ In a packed step the other requests did not ask for a skip, so the replacements 
 mediator (`gather_skip`), and then either cover every token (the module is skipped, its output is
 the replacements joined) or the module runs and the replacements are written over its output for
 the requests that skipped it (`splice_skips`, at the module's `.output` visit).
+
+A skip wins over a write to the module's inputs, as on nnsight: the body never sees them, so a
+rebuilt `.inputs` that nnrun could not splice into the step is void when the block skips the
+module next (`throw_unless_skipped`), and refused only if the module is to run on it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import Any
 
 import torch
 
+from nnsight.intervention.interleaver import Event, Mediator
 from nnsight.intervention.source import NO_SKIP
 from nnsight.util import apply
 
@@ -80,6 +85,20 @@ class SkipSplicing:
         finally:
             self.location = saved
         return value
+
+
+def throw_unless_skipped(mediator: Mediator, provider: str, error: Exception) -> Any:
+    """A write at `provider` that could not be spliced in: void if the block's next event skips the
+    module (its body never reads the inputs), else raised in the block. Returns the block's next park."""
+    if not provider.endswith(".input"):
+        return mediator.throw(error)
+    pending = mediator.switch()  # the block goes on as if the write were held, up to its next park
+    if pending is None:  # the block ended: the module runs on inputs it cannot be given
+        raise error
+    if pending.event is Event.SKIP and pending.provider == provider[: -len(".input")] + ".skip":
+        return pending
+    mediator.pending = pending
+    return mediator.throw(error)
 
 
 def _concat_skips(parts: list[tuple[PackedGroup, Any]], layout: Layout) -> Any:

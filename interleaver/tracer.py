@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
-from nnsight.intervention.interleaver import Mediator
+from nnsight.intervention.interleaver import Mediator, OutOfOrderError
 from nnsight.intervention.tracer import InterleavingTracer, Invoker
 from nnsight.intervention.util import clear_shared_locals, shared_locals
 from nnsight.tracing.tracer import mark, push_result
@@ -125,6 +125,7 @@ class NNrunTracer(InterleavingTracer):
             clear_shared_locals()
         error = job.error
         if error is not None:
+            error = _explain_result_order(job, error, frame.f_code.co_filename)
             raise error.with_traceback(_user_traceback(error))
 
 
@@ -138,6 +139,43 @@ def _push_saves(frame: Any, job: "TraceJob") -> None:
             mark(value)  # saved on the engine thread; this thread's save set decides what is pushed
         # The outermost trace pushes only what was saved; one inside a session pushes every name.
         push_result(frame, invocation.mediator.lcls.writes())
+
+
+RESULT_ORDER_HINT = """`tracer.result` was read above this line, in the same block: the result exists only after the model's
+last step, so nothing after it in that block can read a module. Read it last: after a loop of fixed length
+(`for step in tracer.iter[:n]` with `max_new_tokens=n, min_new_tokens=n`), or in a later invoke:
+
+    with model.generate(max_new_tokens=3) as tracer:
+        with tracer.invoke(prompt):
+            hidden = list().save()
+            for step in tracer.all():
+                hidden.append(model.model.layers[1].output)
+        with tracer.invoke():  # runs after the first block has left the model
+            result = tracer.result.save()"""
+
+
+def _explain_result_order(job: "TraceJob", error: BaseException, filename: str) -> BaseException:
+    """An out-of-order read in a block that read `tracer.result` above it: say why and show what works."""
+    if not isinstance(error, OutOfOrderError):
+        return error
+    line = None  # the line of the block (in the trace's file) that made the read
+    traceback = _user_traceback(error)
+    while traceback is not None:
+        if traceback.tb_frame.f_code.co_filename == filename:
+            line = traceback.tb_lineno
+        traceback = traceback.tb_next
+    if line is None or not any(_reads_result_before(invocation.mediator.node, line) for invocation in job.invocations):
+        return error
+    explained = OutOfOrderError(f"{error}\n{RESULT_ORDER_HINT}")
+    explained.__intervention_tb__ = getattr(error, "__intervention_tb__", None) or error.__traceback__
+    return explained
+
+
+def _reads_result_before(node: ast.AST | None, line: int) -> bool:
+    """Whether a block reads `<tracer>.result` on a line before `line` (and `line` is inside the block)."""
+    if node is None or not (node.lineno <= line <= getattr(node, "end_lineno", line)):
+        return False
+    return any(isinstance(n, ast.Attribute) and n.attr == "result" and n.lineno < line for n in ast.walk(node))
 
 
 def _user_traceback(error: BaseException) -> Any:

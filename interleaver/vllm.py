@@ -95,6 +95,8 @@ class VLLM(LanguageModel):
         """The engine (nnsight's VLLM names its `vllm.LLM` so); `nnrun.LLM` has vLLM's `generate`."""
         return self.engine
 
+    builds_engine_lazily = False  # nnsight's VLLM builds its engine in the constructor
+
     @property
     def dispatched(self) -> bool:
         return True  # the engine is built in the constructor

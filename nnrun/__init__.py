@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 # The nnsight bridge and the extraction jobs import heavier packages: load them on first use.
 _LAZY = {
     "LanguageModel": ("interleaver.model", "LanguageModel"),
+    "TransformersModel": ("interleaver.model", "TransformersModel"),
     "VLLM": ("interleaver.vllm", "VLLM"),
     "extract": ("nnrun.extract", "extract"),
     "load_activations": ("nnrun.extract", "load_activations"),
