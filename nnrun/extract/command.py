@@ -42,7 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=_DTYPES, default=None, help="stored dtype (default: the model's)")
     parser.add_argument("--max-length", type=int, default=None, help="longest prompt in tokens")
     parser.add_argument("--truncate", action="store_true", help="cut prompts longer than --max-length")
-    parser.add_argument("--text-field", default="text", help="text field of .jsonl/.parquet/dataset records")
+    parser.add_argument(
+        "--text-field",
+        metavar="NAME",
+        default=None,
+        help="the field of .jsonl/.parquet/dataset records that holds the prompt (default: 'prompt', "
+        "else 'text', else the record's only string field)",
+    )
     parser.add_argument("--limit", type=int, default=None, help="read at most N input items")
     parser.add_argument(
         "--on-error",
