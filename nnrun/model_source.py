@@ -77,7 +77,7 @@ def _nnsight_wrapped_model(model: Any) -> Any:
     if not type(model).__module__.startswith("nnsight."):
         return None
     try:
-        wrapped = object.__getattribute__(model, "_model")
+        wrapped = object.__getattribute__(model, "_module")  # nnsight 0.5+ keeps the wrapped module here
     except AttributeError:
         return None
     return wrapped if isinstance(wrapped, PreTrainedModel) else None
