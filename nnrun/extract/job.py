@@ -18,6 +18,7 @@ import torch
 
 from nnrun.config import resolve_dtype
 from nnrun.extract.committer import ShardCommit, ShardCommitter
+from nnrun.extract.defaults import DEFAULT_SHARD_TOKENS
 from nnrun.extract.folder import claim_folder
 from nnrun.extract.hooks import ActivationCapture, ModuleSpec, StopForward, gather_rows, packed_starts, resolve_modules
 from nnrun.extract.identity import checkpoint_hash, config_hash, tokenizer_hash, weights_hash
@@ -28,8 +29,6 @@ from nnrun.extract.prepare import LengthPolicy, PreparedPrompt, prepare_prompts
 from nnrun.extract.progress import ExtractionSummary, Progress
 from nnrun.extract.resume import continue_folder
 from nnrun.extract.shards import ShardBuffer
-
-DEFAULT_SHARD_TOKENS = 32768  # ~8 MB per module at H=128 fp32 ... 256 MB at H=4096 fp16
 
 
 @dataclass(frozen=True)
