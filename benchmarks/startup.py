@@ -5,6 +5,7 @@ included), run from the repository root so that this checkout's `nnrun` is the o
 
   baseline           python -c "import torch, transformers, nnsight"
   import nnrun       python -c "import nnrun"                (target: at most 1.3x the baseline)
+  HF model code      the baseline plus transformers.PreTrainedModel (what loading any HF model imports)
   nnrun.LLM          python -c "import nnrun; nnrun.LLM"     (the engine's modules, loaded on first use)
   nnrun --help       python -m nnrun.cli --help              (target: under a second)
   nnrun <cmd> --help for every subcommand                    (target: under a second)
@@ -61,6 +62,10 @@ def main() -> None:
     rows = [
         ("import torch, transformers, nnsight", [python, "-c", "import torch, transformers, nnsight"]),
         ("import nnrun", [python, "-c", "import nnrun"]),
+        (
+            "baseline + transformers.PreTrainedModel",
+            [python, "-c", "import torch, transformers, nnsight; transformers.PreTrainedModel"],
+        ),
         ("import nnrun; nnrun.LLM", [python, "-c", "import nnrun; nnrun.LLM"]),
         ("nnrun --help", [python, "-m", "nnrun.cli", "--help"]),
         *((f"nnrun {name} --help", [python, "-m", "nnrun.cli", name, "--help"]) for name in SUBCOMMANDS),
