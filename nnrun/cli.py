@@ -1,8 +1,9 @@
 """The `nnrun` command line: one subcommand per job (`nnrun extract ...`, `nnrun serve ...`).
 
 A subcommand is a module with `add_arguments(parser)` and `run(args) -> exit code`; adding one
-is adding a line to SUBCOMMANDS. A subcommand's module (and torch with it) loads only when
-that subcommand is named, so `nnrun --help` stays quick.
+is adding a line to SUBCOMMANDS. Arguments are parsed first and imported after: a subcommand's
+module loads only when that subcommand is named, and declares its options without torch, so
+`nnrun --help` and `nnrun <command> --help` answer at once; `run` imports what the job needs.
 """
 
 from __future__ import annotations
@@ -10,6 +11,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Every option's help says its default: "(default: X)" is added unless the text names it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help_text = action.help or ""
+        takes_value = action.option_strings and action.nargs != 0  # not a flag such as --quiet
+        if not takes_value or "default" in help_text or action.default in (None, argparse.SUPPRESS):
+            return help_text
+        return f"{help_text} (default: %(default)s)"
+
 
 # name -> (module with add_arguments and run, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -20,10 +33,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The parser, with full options for the subcommands named in `argv`."""
-    parser = argparse.ArgumentParser(prog="nnrun", description="nnrun: an interpretability runtime")
+    parser = argparse.ArgumentParser(
+        prog="nnrun", description="nnrun: an interpretability runtime", formatter_class=HelpFormatter
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, (module_name, help_text) in SUBCOMMANDS.items():
-        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub = subparsers.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         sub.set_defaults(module_name=module_name)
         if name in argv:
             importlib.import_module(module_name).add_arguments(sub)

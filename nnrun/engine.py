@@ -15,6 +15,7 @@ from nnrun.config import EngineConfig
 from nnrun.engine_core import EngineCore
 from nnrun.lifecycle import stop_at_exit
 from nnrun.model_runner import ModelRunner
+from nnrun.model_source import as_model_source
 from nnrun.outputs import RequestOutput
 from nnrun.prompts import split_prompts, tokenize_prompt
 from nnrun.request import Request
@@ -75,7 +76,8 @@ class LLM:
     """A continuous-batching engine over an unmodified HF model.
 
     `LLM(model, tokenizer=None, device="cpu", dtype=None, **engine_kwargs)`: `model` is a
-    `PreTrainedModel`, a checkpoint folder, a hub id or a bundled name such as "tiny-facts";
+    `PreTrainedModel`, a checkpoint folder, a hub id, a bundled name such as "tiny-facts", or an
+    `LLM`/`LanguageModel` whose model (in memory) a new engine serves;
     engine keywords are the fields of the config dataclasses (page_size, max_total_tokens,
     max_num_seqs, max_num_batched_tokens, max_model_len, load_format, ...). `tensor_parallel_size=N`
     runs the model on N rank processes that each hold a shard of every layer (`nnrun.tp`).
@@ -90,6 +92,7 @@ class LLM:
         runner_cls: type[ModelRunner] = ModelRunner,
         **engine_kwargs: Any,
     ) -> None:
+        model, tokenizer = as_model_source(model, tokenizer)  # an engine or LanguageModel: its model
         self.config = EngineConfig.from_kwargs(model, tokenizer, device=device, dtype=dtype, **engine_kwargs)
         if self.config.parallel.tensor_parallel_size > 1:  # the weights live on rank processes (nnrun.tp)
             from nnrun.tp import tensor_parallel_runner_class

@@ -134,11 +134,17 @@ def test_cli_reports_bad_input_and_mismatched_rerun(tmp_path, capsys):
     path.write_text('{"text": "the cat"}\n{"txt": "a dog"}\n')
     out = str(tmp_path / "out")
     args = ["extract", "--model", MODEL, "--input", str(path), "--module", "model.layers.0", "--out", out, "-q"]
+    args += ["--text-field", "text"]
     assert main(args) == 1
     assert "p.jsonl line 2: missing text field 'text'" in capsys.readouterr().err
     assert main([*args, "--on-error", "skip"]) == 0
     assert load_activations(out).skipped == [
-        {"index": 1, "line": 2, "reason": "missing text field 'text' (fields: txt)"}
+        {
+            "index": 1,
+            "line": 2,
+            "reason": "missing text field 'text' (fields: txt); name the field that holds the prompt with "
+            "--text-field NAME (text_field=NAME in Python)",
+        }
     ]
     assert main([*args, "--on-error", "skip", "--positions", "last"]) == 1
     assert "positions: stored 'all', now 'last'" in capsys.readouterr().err

@@ -47,7 +47,7 @@ def test_jsonl_records_and_their_errors(tmp_path):
     path = tmp_path / "p.jsonl"
     lines = [{"text": "hello"}, {"body": "x"}, {"text": 5}, "not json", "", [1, 2], {"text": [4, 5]}, {"text": ""}]
     path.write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines) + "\n")
-    records = _summary(open_prompts(path))
+    records = _summary(open_prompts(path, text_field="text"))
     assert records[0] == (0, "p.jsonl line 1", "hello", None)
     assert records[1][1] == "p.jsonl line 2" and records[1][3].startswith("missing text field 'text'")
     assert records[2][3] == "expected a string or a list of token ids, got int"
@@ -106,7 +106,10 @@ def test_unknown_inputs_are_refused(tmp_path):
 def test_record_needs_exactly_one_of_prompt_and_error():
     with pytest.raises(ValueError):
         PromptRecord(0, "item 0", None, None)
-    assert check_prompt({"x": 1}, "text")[1] == "missing text field 'text' (fields: x)"
+    assert check_prompt({"x": 1}, "text")[1] == (
+        "missing text field 'text' (fields: x); name the field that holds the prompt with --text-field NAME "
+        "(text_field=NAME in Python)"
+    )
 
 
 class _WordTokenizer:

@@ -192,14 +192,14 @@ def test_bad_items_stop_by_default_with_their_location(tiny_llm, tmp_path):
     path.write_text('{"text": "The cat"}\n{"text": ""}\n{"body": "x"}\n')
     with pytest.raises(InputError, match=r"p.jsonl line 2: empty prompt.*--on-error skip"):
         extract(llm, path, "model.layers.0", tmp_path / "out", progress=False)
-    assert load_activations(tmp_path / "out").manifest.shards == []
+    assert not (tmp_path / "out").exists()  # a first run that stored nothing leaves no settings behind
 
 
 def test_bad_items_skipped_are_recorded(tiny_llm, tmp_path):
     llm, _ = tiny_llm
     path = tmp_path / "p.jsonl"
     path.write_text('{"text": "The cat"}\n{"text": ""}\n{"body": "x"}\n{"text": 3}\n{"text": "A dog ran"}\n\n')
-    summary = extract(llm, path, "model.layers.0", tmp_path / "out", on_error="skip", progress=False)
+    summary = extract(llm, path, "model.layers.0", tmp_path / "out", on_error="skip", progress=False, text_field="text")
     store = load_activations(tmp_path / "out")
     assert summary.num_skipped == 4 and len(store) == 2 and store[1].input_index == 4
     assert [(s["index"], s["line"]) for s in store.skipped] == [(1, 2), (2, 3), (3, 4), (5, 6)]

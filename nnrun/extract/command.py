@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nnrun.extract.job import DEFAULT_SHARD_TOKENS
+from nnrun.extract.defaults import DEFAULT_SHARD_TOKENS
 
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -15,51 +15,72 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument(
         "--out",
-        help="output folder (created; an existing one is resumed, or extended when items were appended to its input)",
+        help="output folder (created; an existing one is resumed, or extended when items were appended to its "
+        "input); this or --verify is required",
     )
     mode.add_argument(
         "--verify",
         metavar="DIR",
         help="check every file of an extraction folder against its "
-        "manifest (sizes, sha256, offsets) and exit; no job runs",
+        "manifest (sizes, sha256, offsets) and exit; no job runs; this or --out is required",
     )
-    parser.add_argument("--model", help="checkpoint folder, hub id or bundled name (e.g. tiny-facts); needs --out")
-    parser.add_argument("--input", help="prompts: .txt (one a line), .jsonl, .parquet, or a saved HF dataset folder")
+    parser.add_argument(
+        "--model", help="checkpoint folder, hub id or bundled name (e.g. tiny-facts); required with --out"
+    )
+    parser.add_argument(
+        "--input",
+        help="prompts: .txt (one a line), .jsonl, .parquet, or a saved HF dataset folder; required with --out",
+    )
     parser.add_argument(
         "--module",
         action="extend",
         nargs="+",
         dest="modules",
         metavar="PATH",
-        help="HF module path, e.g. model.layers.6 or model.layers.6.mlp.input (repeatable)",
+        help="HF module path, e.g. model.layers.6 or model.layers.6.mlp.input (repeatable); required with --out",
     )
     parser.add_argument(
         "--positions",
         choices=("all", "last"),
         default="all",
-        help="store every token (default) or only each prompt's last",
+        help="all: store every token; last: only each prompt's last (default: all)",
     )
     parser.add_argument("--dtype", choices=_DTYPES, default=None, help="stored dtype (default: the model's)")
-    parser.add_argument("--max-length", type=int, default=None, help="longest prompt in tokens")
+    parser.add_argument(
+        "--max-length", type=int, default=None, help="longest prompt in tokens (default: the model's context length)"
+    )
     parser.add_argument("--truncate", action="store_true", help="cut prompts longer than --max-length")
-    parser.add_argument("--text-field", default="text", help="text field of .jsonl/.parquet/dataset records")
-    parser.add_argument("--limit", type=int, default=None, help="read at most N input items")
+    parser.add_argument(
+        "--text-field",
+        metavar="NAME",
+        default=None,
+        help="the field of .jsonl/.parquet/dataset records that holds the prompt (default: 'prompt', "
+        "else 'text', else the record's only string field)",
+    )
+    parser.add_argument(
+        "--limit", type=int, default=None, metavar="N", help="read at most N input items (default: all)"
+    )
     parser.add_argument(
         "--on-error",
         choices=("stop", "skip"),
         default="stop",
-        help="stop at the first bad item (default), or skip it and record it in the manifest",
+        help="stop at the first bad item, or skip it and record it in the manifest (default: stop)",
     )
     parser.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="prompt tokens per shard")
     parser.add_argument("--no-resume", action="store_true", help="refuse to continue an existing output folder")
     parser.add_argument("--quiet", "-q", action="store_true", help="no progress bar and no summary line")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--device", default="cpu")
+    engine.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     engine.add_argument("--model-dtype", choices=_DTYPES, default=None, help="compute dtype (default: auto)")
     engine.add_argument(
         "--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights from the model's config"
     )
-    engine.add_argument("--batch-tokens", type=int, default=None, help="tokens per forward (max_num_batched_tokens)")
+    engine.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=None,
+        help="tokens per forward (max_num_batched_tokens; default: the engine's, 8192)",
+    )
     engine.add_argument(
         "--forward-path",
         choices=("auto", "exact"),
@@ -75,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="ADDRESS",
         help="run the job on Ray engines: the cluster at ADDRESS, else $RAY_ADDRESS, else a new local "
-        "one; the folder is byte-identical to a single-process run",
+        "one; the folder is byte-identical to a single-process run (default: no Ray, this process)",
     )
     scale.add_argument(
         "--engines",

@@ -17,6 +17,7 @@ import torch
 from nnrun.extract.inputs import PromptSource, open_prompts
 from nnrun.extract.job import DEFAULT_SHARD_TOKENS, ExtractionJob, ExtractionOptions, as_llm
 from nnrun.extract.progress import ExtractionSummary
+from nnrun.model_source import as_model_source, engine_of
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def extract(
     max_length: int | None = None,
     truncate: bool = False,
     on_error: str = "stop",
-    text_field: str = "text",
+    text_field: str | None = None,
     limit: int | None = None,
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     resume: bool = True,
@@ -90,10 +91,12 @@ def extract(
 ) -> ExtractionSummary:
     """Extract `modules`' values for every prompt into shards under `out_dir`; see `load_activations`.
 
-    `model`: an `nnrun.LLM`, or anything `nnrun.LLM` accepts (built with `tokenizer` and
-    `llm_kwargs`, e.g. device, dtype, max_num_batched_tokens, and shut down at the end).
+    `model`: an `nnrun.LLM` or an nnrun `LanguageModel`/`VLLM` (its engine runs the job), or anything
+    `nnrun.LLM` accepts (built with `tokenizer` and `llm_kwargs`, e.g. device, dtype,
+    max_num_batched_tokens, and shut down at the end).
     `prompts`: an iterable of strings or token id lists, or the path of a .txt / .jsonl /
-    .parquet file or a saved HF dataset folder (`text_field` names the column).
+    .parquet file or a saved HF dataset folder; a record's prompt is its `text_field` (default: its
+    "prompt" field, else "text", else its only string field).
     `modules`: HF module paths, optionally ending in ".input" or ".output" (the default).
     `executor="ray"` (or an `nnrun.distributed.RayExecutor` for more options, or any object with
     `run(request) -> ExtractionSummary`, see `ExtractionExecutor`): spread the shards
@@ -101,6 +104,10 @@ def extract(
     one, else $RAY_ADDRESS, else a new local one), `verbose` adds a progress line per engine; the
     folder is byte-identical to the one a single process writes.
     """
+    engine = engine_of(model)  # an nnrun.LanguageModel/VLLM: extract on its engine
+    if engine is None:
+        as_model_source(model)  # anything the engine cannot load is refused in one line, before any file opens
+    model = model if engine is None else engine
     options = ExtractionOptions(positions, dtype, max_length, truncate, on_error, shard_tokens, resume, progress)
     source = open_prompts(prompts, text_field=text_field, limit=limit)
     runner = as_executor(executor, num_engines, ray_address, verbose)

@@ -5,10 +5,12 @@ What an existing folder holds is checked next, by resume.py, before the job buil
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from nnrun.extract.manifest import Manifest, SettingsMismatchError, settings_diff
+from nnrun.extract.manifest import MANIFEST_NAME, Manifest, SettingsMismatchError, settings_diff
 
 _SHARD_GLOB = "shard-*.safetensors"
 
@@ -41,6 +43,30 @@ def open_folder(out_dir: Path, settings: dict[str, Any], model_info: dict[str, A
         )
     remove_uncommitted(out_dir, manifest)
     return manifest
+
+
+@contextmanager
+def claim_folder(
+    out_dir: Path, settings: dict[str, Any], model_info: dict[str, Any], resume: bool
+) -> Iterator[Manifest]:
+    """`open_folder`'s manifest for the job's block; a new folder's claim is undone when the block fails having
+    stored nothing, so that the corrected re-run (other settings, e.g. --text-field) is not refused."""
+    had_folder, is_new = out_dir.exists(), not (out_dir / MANIFEST_NAME).exists()
+    manifest = open_folder(out_dir, settings, model_info, resume)
+    try:
+        yield manifest
+    except BaseException:
+        if is_new and not manifest.shards and not manifest.num_consumed:
+            _release(out_dir, manifest, had_folder)
+        raise
+
+
+def _release(out_dir: Path, manifest: Manifest, had_folder: bool) -> None:
+    """Remove the manifest (its settings are all it holds), and the folder if the job created it and it is empty."""
+    remove_uncommitted(out_dir, manifest)
+    (out_dir / MANIFEST_NAME).unlink(missing_ok=True)
+    if not had_folder and not any(out_dir.iterdir()):
+        out_dir.rmdir()
 
 
 def remove_uncommitted(out_dir: Path, manifest: Manifest) -> None:

@@ -18,6 +18,11 @@ from typing import Any
 Prompt = str | list[int]
 
 _BATCH_ROWS = 1024  # rows per read from columnar sources
+# Without a text field named, a record's prompt is its first field of these (vLLM's prompt dict
+# spells it "prompt", datasets mostly "text"), else its only string field.
+DEFAULT_TEXT_FIELDS = ("prompt", "text")
+MISSING_FIELD = "missing text field"  # how a record without its prompt field is reported
+_NAME_FIELD = "name the field that holds the prompt with --text-field NAME (text_field=NAME in Python)"
 
 
 class InputError(ValueError):
@@ -45,7 +50,7 @@ class PromptSource:
 
     kind: str  # "iterable", "txt", "jsonl", "parquet" or "dataset"
     name: str  # file name for messages
-    text_field: str
+    text_field: str | None  # None: each record's DEFAULT_TEXT_FIELDS, else its only string field
     limit: int | None
     _read: Any  # () -> Iterator[PromptRecord]
     num_items: int | None = None  # known up front for sized inputs, for the progress bar
@@ -53,8 +58,8 @@ class PromptSource:
     def __post_init__(self) -> None:
         if self.limit is not None and self.limit < 0:
             raise ValueError(f"limit must be non-negative, got {self.limit}")
-        if not self.text_field:
-            raise ValueError("text_field must name a field, got ''")
+        if self.text_field is not None and not self.text_field:
+            raise ValueError("text_field must name a field (or be None for the default fields), got ''")
 
     def records(self) -> Iterator[PromptRecord]:
         """Records in input order, at most `limit` of them."""
@@ -71,9 +76,10 @@ class PromptSource:
 def check_prompt(value: Any, text_field: str | None = None) -> tuple[Prompt | None, str | None]:
     """Return (prompt, None) for a usable value or (None, reason) for a bad one."""
     if isinstance(value, dict):
-        if text_field is None or text_field not in value:
-            return None, f"missing text field {text_field!r} (fields: {', '.join(map(str, value)) or 'none'})"
-        value = value[text_field]
+        field = record_field(value, text_field)
+        if field is None:
+            return None, _missing_field(text_field, list(value))
+        value = value[field]
     if isinstance(value, str):
         if not value.strip():
             return None, "empty prompt"
@@ -90,6 +96,28 @@ def check_prompt(value: Any, text_field: str | None = None) -> tuple[Prompt | No
     return None, f"expected a string or a list of token ids, got {type(value).__name__}"
 
 
+def record_field(record: dict, text_field: str | None) -> Any:
+    """The key of `record` that holds the prompt: `text_field`, else a default field, else the only string field."""
+    if text_field is not None:
+        return text_field if text_field in record else None
+    return _default_field(list(record), [key for key, value in record.items() if isinstance(value, str)])
+
+
+def _default_field(fields: list[Any], string_fields: list[Any]) -> Any:
+    found = next((name for name in DEFAULT_TEXT_FIELDS if name in fields), None)
+    if found is None and len(string_fields) == 1:
+        return string_fields[0]
+    return found
+
+
+def _missing_field(text_field: str | None, fields: list[Any], noun: str = "field") -> str:
+    listed = ", ".join(map(str, fields)) or "none"
+    if text_field is not None:
+        return f"{MISSING_FIELD} {text_field!r} ({noun}s: {listed}); {_NAME_FIELD}"
+    wanted = " or ".join(repr(name) for name in DEFAULT_TEXT_FIELDS)
+    return f"{MISSING_FIELD} {wanted}, and not one string {noun} to use instead ({noun}s: {listed}); {_NAME_FIELD}"
+
+
 def _unicode_problem(text: str) -> str | None:
     """Why `text` is not valid Unicode, or None."""
     # A str can hold lone surrogates (from a JSON escape such as "\\udcff", or from os.fsdecode of
@@ -104,8 +132,12 @@ def _unicode_problem(text: str) -> str | None:
     return None
 
 
-def open_prompts(prompts: Any, *, text_field: str = "text", limit: int | None = None) -> PromptSource:
-    """Wrap an iterable of prompts, or open a .txt/.jsonl/.parquet file or a saved HF dataset folder."""
+def open_prompts(prompts: Any, *, text_field: str | None = None, limit: int | None = None) -> PromptSource:
+    """Wrap an iterable of prompts, or open a .txt/.jsonl/.parquet file or a saved HF dataset folder.
+
+    Records (dicts, rows) hold their prompt in `text_field`; None: "prompt", else "text", else their only
+    string field (for a columnar input, its only string column).
+    """
     if isinstance(prompts, (str, os.PathLike)):
         return _open_path(Path(prompts), text_field, limit)
     if isinstance(prompts, PromptSource):
@@ -118,7 +150,7 @@ def open_prompts(prompts: Any, *, text_field: str = "text", limit: int | None = 
     )
 
 
-def _open_path(path: Path, text_field: str, limit: int | None) -> PromptSource:
+def _open_path(path: Path, text_field: str | None, limit: int | None) -> PromptSource:
     if not path.exists():
         raise InputError(
             f"input {str(path)!r} does not exist (prompts are a list of strings or token id "
@@ -141,7 +173,7 @@ def _open_path(path: Path, text_field: str, limit: int | None) -> PromptSource:
     )
 
 
-def _iterable_records(prompts: Iterable[Any], text_field: str) -> Iterator[PromptRecord]:
+def _iterable_records(prompts: Iterable[Any], text_field: str | None) -> Iterator[PromptRecord]:
     for index, value in enumerate(prompts):
         yield _record(index, f"item {index}", value, text_field)
 
@@ -176,7 +208,7 @@ def _txt_records(path: Path) -> Iterator[PromptRecord]:
         yield _record(line_no - 1, f"{path.name} line {line_no}", line, None, line_no)
 
 
-def _jsonl_records(path: Path, text_field: str) -> Iterator[PromptRecord]:
+def _jsonl_records(path: Path, text_field: str | None) -> Iterator[PromptRecord]:
     for line_no, line in _lines(path):
         index, location = line_no - 1, f"{path.name} line {line_no}"
         if not line.strip():
@@ -193,14 +225,17 @@ def _jsonl_records(path: Path, text_field: str) -> Iterator[PromptRecord]:
         yield _record(index, location, value, text_field, line_no)
 
 
-def _open_parquet(path: Path, text_field: str, limit: int | None) -> PromptSource:
+def _open_parquet(path: Path, text_field: str | None, limit: int | None) -> PromptSource:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     parquet = pq.ParquetFile(path)
-    _check_column(path.name, text_field, parquet.schema_arrow.names)
+    schema = parquet.schema_arrow
+    strings = [f.name for f in schema if pa.types.is_string(f.type) or pa.types.is_large_string(f.type)]
+    column = _column(path.name, text_field, schema.names, strings)
 
     def read() -> Iterator[PromptRecord]:
-        batches = pq.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS, columns=[text_field])
+        batches = pq.ParquetFile(path).iter_batches(batch_size=_BATCH_ROWS, columns=[column])
         values = itertools.chain.from_iterable(b.column(0).to_pylist() for b in batches)
         for index, value in enumerate(values):
             yield _record(index, f"{path.name} record {index}", value, None)
@@ -208,7 +243,7 @@ def _open_parquet(path: Path, text_field: str, limit: int | None) -> PromptSourc
     return PromptSource("parquet", path.name, text_field, limit, read, parquet.metadata.num_rows)
 
 
-def _open_dataset(path: Path, text_field: str, limit: int | None) -> PromptSource:
+def _open_dataset(path: Path, text_field: str | None, limit: int | None) -> PromptSource:
     import datasets
 
     try:
@@ -219,21 +254,22 @@ def _open_dataset(path: Path, text_field: str, limit: int | None) -> PromptSourc
         if len(dataset) != 1:
             raise InputError(f"dataset {path.name!r} has splits {sorted(dataset)}; pass the folder of one split")
         dataset = next(iter(dataset.values()))
-    _check_column(path.name, text_field, dataset.column_names)
-    column = dataset.select_columns([text_field])
+    strings = [name for name, f in dataset.features.items() if getattr(f, "dtype", None) in ("string", "large_string")]
+    column = _column(path.name, text_field, dataset.column_names, strings)
+    selected = dataset.select_columns([column])
 
     def read() -> Iterator[PromptRecord]:
-        batches = column.iter(batch_size=_BATCH_ROWS)
-        values = itertools.chain.from_iterable(b[text_field] for b in batches)
+        batches = selected.iter(batch_size=_BATCH_ROWS)
+        values = itertools.chain.from_iterable(b[column] for b in batches)
         for index, value in enumerate(values):
             yield _record(index, f"{path.name} record {index}", value, None)
 
     return PromptSource("dataset", path.name, text_field, limit, read, len(dataset))
 
 
-def _check_column(name: str, text_field: str, columns: list[str]) -> None:
-    # A missing column is wrong for every record at once, so it is an error of the whole input.
-    if text_field not in columns:
-        raise InputError(
-            f"{name}: missing text field {text_field!r} (columns: {', '.join(columns)}); choose one with --text-field"
-        )
+def _column(name: str, text_field: str | None, columns: list[str], string_columns: list[str]) -> str:
+    """The column that holds the prompts (see `record_field`); the settings keep `text_field` as given."""
+    found = _default_field(columns, string_columns) if text_field is None else text_field
+    if found not in columns:  # wrong for every record at once, so it is an error of the whole input
+        raise InputError(f"{name}: {_missing_field(text_field, columns, 'column')}")
+    return found

@@ -18,18 +18,17 @@ import torch
 
 from nnrun.config import resolve_dtype
 from nnrun.extract.committer import ShardCommit, ShardCommitter
-from nnrun.extract.folder import open_folder
+from nnrun.extract.defaults import DEFAULT_SHARD_TOKENS
+from nnrun.extract.folder import claim_folder
 from nnrun.extract.hooks import ActivationCapture, ModuleSpec, StopForward, gather_rows, packed_starts, resolve_modules
 from nnrun.extract.identity import checkpoint_hash, config_hash, tokenizer_hash, weights_hash
-from nnrun.extract.inputs import InputError, PromptSource
+from nnrun.extract.inputs import MISSING_FIELD, InputError, PromptSource
 from nnrun.extract.manifest import Manifest
 from nnrun.extract.plan import HashedRecords, ShardPlan, forward_batches, plan_shards
 from nnrun.extract.prepare import LengthPolicy, PreparedPrompt, prepare_prompts
 from nnrun.extract.progress import ExtractionSummary, Progress
 from nnrun.extract.resume import continue_folder
 from nnrun.extract.shards import ShardBuffer
-
-DEFAULT_SHARD_TOKENS = 32768  # ~8 MB per module at H=128 fp32 ... 256 MB at H=4096 fp16
 
 
 @dataclass(frozen=True)
@@ -206,6 +205,8 @@ def stop_error(plan: ShardPlan, on_error: str) -> InputError | None:
     """The error that ends the job at this plan's first bad item under on_error="stop"; None to go on."""
     if not plan.skipped or on_error != "stop":
         return None
+    if plan.skipped[0].reason.startswith(MISSING_FIELD):  # the reason names the fix; skipping would skip them all
+        return InputError(f"{plan.skipped[0].message()}. Stopped before writing anything after the last complete shard")
     return InputError(
         f"{plan.skipped[0].message()}. Stopped before writing anything after the last complete shard; "
         "fix the input, or pass on_error='skip' (CLI: --on-error skip) to leave such items out"
@@ -229,26 +230,26 @@ def run_in_folder(
     The seam between a job and where its forwards run: this process (ExtractionJob) or many
     engines (nnrun.distributed); both commit shards through a ShardCommitter in input order.
     """
-    manifest = open_folder(out_dir, settings, model_info, options.resume)
-    records = continue_folder(out_dir, manifest, source)
-    num_resumed = len(manifest.shards)
-    progress = make_progress(options.progress, source.total, initial=manifest.num_consumed)
-    summary = None
-    try:
-        if records is not None:
-            extract_rest(manifest, records, progress)
-        summary = ExtractionSummary(
-            out_dir=str(out_dir),
-            num_prompts=manifest.num_prompts,
-            num_tokens=manifest.num_tokens,
-            num_skipped=len(manifest.skipped),
-            num_shards=len(manifest.shards),
-            num_resumed_shards=num_resumed,
-            num_new_prompts=progress.num_prompts,
-            num_new_tokens=progress.num_tokens,
-            elapsed_s=progress.elapsed_s,
-            is_complete=manifest.is_complete,
-        )
-    finally:
-        progress.close(summary)
+    with claim_folder(out_dir, settings, model_info, options.resume) as manifest:
+        records = continue_folder(out_dir, manifest, source)
+        num_resumed = len(manifest.shards)
+        progress = make_progress(options.progress, source.total, initial=manifest.num_consumed)
+        summary = None
+        try:
+            if records is not None:
+                extract_rest(manifest, records, progress)
+            summary = ExtractionSummary(
+                out_dir=str(out_dir),
+                num_prompts=manifest.num_prompts,
+                num_tokens=manifest.num_tokens,
+                num_skipped=len(manifest.skipped),
+                num_shards=len(manifest.shards),
+                num_resumed_shards=num_resumed,
+                num_new_prompts=progress.num_prompts,
+                num_new_tokens=progress.num_tokens,
+                elapsed_s=progress.elapsed_s,
+                is_complete=manifest.is_complete,
+            )
+        finally:
+            progress.close(summary)
     return summary

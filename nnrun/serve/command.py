@@ -25,7 +25,14 @@ from nnrun.serve.config import DEFAULT_PORT, ServeConfig
 logger = logging.getLogger(__name__)
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
-_ENGINE_INTS = ("max_num_seqs", "max_total_tokens", "max_model_len", "max_num_batched_tokens", "page_size")
+# engine option -> its help (None: the engine's own default, which the help names)
+_ENGINE_INTS = {
+    "max_num_seqs": "requests running at once (default: the engine's, 256)",
+    "max_total_tokens": "KV cache capacity in tokens (default: sized from the device's free memory)",
+    "max_model_len": "longest prompt plus completion in tokens (default: the model's context length)",
+    "max_num_batched_tokens": "new tokens in one forward (default: the engine's, 8192)",
+    "page_size": "tokens per KV page (default: the engine's, 16)",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs --api-key)"
     )
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help=f"TCP port to listen on (default {DEFAULT_PORT})"
+    )
     parser.add_argument(
         "--api-key",
         default=os.environ.get("NNRUN_API_KEY") or None,
@@ -111,10 +120,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="on SIGTERM, seconds in-flight requests may take to finish (default 60)",
     )
-    parser.add_argument("--served-model-name", default=None, help="the model name OpenAI clients send")
-    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model name OpenAI clients send (default: MODEL as given)"
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=("critical", "error", "warning", "info", "debug"),
+        help="the server's log level (default: info)",
+    )
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--device", default="cpu")
+    engine.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     engine.add_argument("--dtype", choices=_DTYPES, default="auto", help="compute dtype (default: auto)")
     engine.add_argument(
         "--load-format", choices=("auto", "dummy"), default="auto", help="dummy: random weights in the model's shapes"
@@ -126,8 +142,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="exact: every request through the model's own HF forward and cache (auto: only when "
         "the load-time probe finds the packed path differs from it)",
     )
-    for name in _ENGINE_INTS:
-        engine.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, metavar="N")
+    for name, help_text in _ENGINE_INTS.items():
+        engine.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, metavar="N", help=help_text)
 
 
 def build_config(args: argparse.Namespace) -> ServeConfig:

@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 import nnrun.tp.wire as wire
 from nnrun.config import EngineConfig
+from nnrun.tp.main_guard import check_main_guard
 from nnrun.tp.worker import DEFAULT_RANK_RUNNER, RankSpec, run_rank
 
 logger = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class RankGroup:
     """N rank processes on this machine, spawned and joined over torch.distributed."""
 
     def __init__(self, config: EngineConfig, checkpoint: str, rank_runner: str = DEFAULT_RANK_RUNNER) -> None:
+        check_main_guard()  # before any rank starts: a rank would re-run an unguarded script's top level
         parallel = config.parallel
         self.world_size = parallel.tensor_parallel_size
         self.step_timeout_s = parallel.tensor_parallel_timeout
