@@ -62,6 +62,7 @@ __all__ = [
     "RequestHandle",
     "RequestOutput",
     "SamplingParams",
+    "TransformersModel",
     "bundled_model_path",
     "extract",
     "load_activations",
