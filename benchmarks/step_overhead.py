@@ -8,7 +8,14 @@ Llama and on a cheap one (one layer, hidden 32), whose math is next to nothing: 
 step's time is almost all fixed cost, and HF `generate`'s time per step there is its own fixed
 cost, the floor nnrun has to match. Ratios are of interleaved runs in one process.
 
-Usage: python benchmarks/step_overhead.py [--prompts 16] [--new-tokens 32] [--reps 5]
+First, issue 36's decode table: the tiny Llama (hidden 64, 2 layers, vocab 256, `common.shape_config`),
+prompts of 8 tokens, greedy, at batch 1, 64 and 256. A decode step's time is
+(T(17 tokens) - T(1)) / 16, best of 3, for nnrun and for HF `generate` on the same model in the
+same run; the engine's host sections are shown per step and per request (a section whose time
+per request does not fall with the batch is per-request Python).
+
+Usage: python benchmarks/step_overhead.py [--batches 1 64 256] [--prompts 16] [--new-tokens 32] [--reps 5]
+       [--decode-only]
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
-from common import interleaved_times, left_padded
+from common import interleaved_times, left_padded, shape_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import nnrun
@@ -153,14 +160,88 @@ def measure(name: str, model: LlamaForCausalLM, args: argparse.Namespace) -> Non
     llm.shutdown()
 
 
+def best_seconds(run: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+DECODE_TOKENS = 17  # a step is (T(17) - T(1)) / 16
+
+
+def measure_decode(batches: list[int], repeats: int) -> None:
+    """Issue 36's CPU table: decode step of nnrun and HF `generate` on the tiny Llama, with nnrun's host sections."""
+    import copy
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(shape_config("tiny")).eval()
+    model.generation_config.eos_token_id = None
+    hf = copy.deepcopy(model)
+    llm = nnrun.LLM(model, max_num_seqs=max(batches), max_total_tokens=max(batches) * 32)
+    timer = StepTimer(llm)
+    print(f"\ntiny Llama (hidden 64, 2 layers, vocab 256), 8-token prompts, greedy; best of {repeats}")
+    header = f"{'batch':>6} {'nnrun step':>11} {'HF step':>9} {'HF/nnrun':>9} {'engine step':>12} {'host':>8}"
+    print(header + "  host per request; host sections per step (ms)")
+    first_step = None
+    for batch in batches:
+        prompts = [[(7 * i + 3 * j) % 254 + 2 for j in range(8)] for i in range(batch)]
+        ids, mask = left_padded(prompts)
+
+        def ours(k: int) -> None:
+            llm.generate(prompts, nnrun.SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
+
+        def theirs(k: int) -> None:
+            with torch.no_grad():
+                hf.generate(
+                    ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0
+                )
+
+        ours(2), theirs(2)  # warm-up
+        steps = DECODE_TOKENS - 1
+        our_step = (best_seconds(lambda: ours(DECODE_TOKENS), repeats) - best_seconds(lambda: ours(1), repeats)) / steps
+        hf_step = (
+            best_seconds(lambda: theirs(DECODE_TOKENS), repeats) - best_seconds(lambda: theirs(1), repeats)
+        ) / steps
+        with timer.measuring():  # decode steps only: the prefill step is timed apart and taken out
+            ours(DECODE_TOKENS)
+            sections = dict(timer.seconds)
+        with timer.measuring():
+            ours(1)
+        per_step = {name: 1e3 * (sections.get(name, 0.0) - timer.seconds.get(name, 0.0)) / steps for name in sections}
+        host = per_step["step"] - (per_step.get("model", 0.0) - per_step.get("plan", 0.0))
+        parts = {
+            "schedule": per_step.get("schedule", 0.0),
+            "prepare": per_step.get("prepare", 0.0),
+            "plan": per_step.get("plan", 0.0),
+            "sample": per_step.get("sample", 0.0),
+        }
+        parts["bookkeeping"] = host - sum(parts.values())
+        first_step = first_step or our_step
+        print(
+            f"{batch:>6} {1e3 * our_step:>9.3f}ms {1e3 * hf_step:>7.3f}ms {hf_step / our_step:>8.2f}x "
+            f"{per_step['step']:>10.3f}ms {host:>6.3f}ms  {1e3 * host / batch:.2f} us/req; "
+            + " ".join(f"{name} {value:.3f}" for name, value in parts.items())
+            + f" | step / batch-1 step {our_step / first_step:.2f}x"
+        )
+    llm.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--decode-only", action="store_true", help="only issue 36's decode table")
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
+    measure_decode(args.batches, 3)
+    if args.decode_only:
+        return
     print(f"torch threads {torch.get_num_threads()}; times are medians of {args.reps} interleaved rounds")
     measure("cheap Llama (1 layer, hidden 32): almost all fixed cost", llama(32, 1, 256), args)
     measure("small Llama (4 layers, hidden 256)", llama(256, 4, 1024), args)
