@@ -71,8 +71,10 @@ class EngineCore:
                 logger.exception("engine step failed")
                 finished += self.scheduler.fail_requests(reqs, error)
             else:
-                blamed = [req for req in reqs if req not in ran]
-                finished += self.scheduler.fail_requests(blamed, RuntimeError("the step failed"))
+                if len(ran) != len(reqs):  # some requests' group failed: they end, the others go on
+                    ran_ids = set(map(id, ran))
+                    blamed = [req for req in reqs if id(req) not in ran_ids]
+                    finished += self.scheduler.fail_requests(blamed, RuntimeError("the step failed"))
                 finished += self.scheduler.process_batch_result(ran, next_ids, token_logprobs)
             finished += self._drain_scheduler_failures()
             self._finish(finished)
@@ -173,6 +175,8 @@ class EngineCore:
 
     @staticmethod
     def _token_logprobs(reqs: list[Request], out: SamplerOutput) -> list[dict[int, float] | None]:
+        if out.logprobs is None:  # no row asked: nothing per request
+            return [None] * len(reqs)
         result: list[dict[int, float] | None] = []
         for row, req in enumerate(reqs):
             num_top = req.sampling_params.logprobs

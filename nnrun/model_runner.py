@@ -327,12 +327,19 @@ class ModelRunner(KVPoolSetup):
         )
 
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> SamplerOutput:
-        rows = [
-            SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids, req.generator)
-            for req in forward_batch.reqs
-        ]
+        reqs = forward_batch.reqs
+        shared = shared_sampling_params(reqs)
         with torch.no_grad():
-            logits = self._mask_stops_before_min_tokens(logits_output.next_token_logits, forward_batch.reqs)
+            logits = logits_output.next_token_logits  # [B, V]
+            if shared is not None and shared.min_tokens == 0:  # the whole batch in a few tensor ops
+                return self.sampler.sample_shared(logits, shared)
+            logits = self._mask_stops_before_min_tokens(logits, reqs)
+            if shared is not None:
+                return self.sampler.sample_shared(logits, shared)
+            rows = [
+                SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids, req.generator)
+                for req in reqs
+            ]
             return self.sampler(logits, rows)
 
     def _mask_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -408,6 +415,18 @@ class ModelRunner(KVPoolSetup):
     def release_kv(self, req: Request) -> None:
         """Free a request's pages and table row (safe to call twice)."""
         release_kv(req, self.allocator, self.req_to_token_pool)
+
+
+def shared_sampling_params(reqs: list[Request]) -> SamplingParams | None:
+    """The one SamplingParams object every request holds, if it needs no per-row work (penalties, own RNG)."""
+    if not reqs:
+        return None
+    params = reqs[0].sampling_params
+    if params.has_penalties or params.seed is not None:
+        return None
+    if all(req.sampling_params is params and req.generator is None for req in reqs):
+        return params
+    return None
 
 
 _PREFILL_PARAMS = SamplingParams(max_tokens=1)

@@ -62,7 +62,7 @@ def workload(shared: bool) -> list[P]:
 ABORTED = 12
 
 
-def run_engine(params: list[P]) -> list[Request]:
+def run_engine(params: list[P], aborted: int | None = ABORTED) -> list[Request]:
     """Drive the engine's core step by step on this thread (deterministic batches, preemption, an abort)."""
     with nnrun.LLM("tiny-facts", page_size=4, max_total_tokens=64, max_num_seqs=6) as llm:
         reqs = [llm.make_request(TEXTS[i % len(TEXTS)], p, request_id=str(i)) for i, p in enumerate(params)]
@@ -73,8 +73,8 @@ def run_engine(params: list[P]) -> list[Request]:
         while core.has_unfinished:
             core.step()
             steps += 1
-            if len(reqs[ABORTED].output_token_ids) >= 3 and not reqs[ABORTED].is_finished:
-                core.abort_requests({reqs[ABORTED].request_id: RuntimeError("aborted")})
+            if aborted is not None and len(reqs[aborted].output_token_ids) >= 3 and not reqs[aborted].is_finished:
+                core.abort_requests({reqs[aborted].request_id: RuntimeError("aborted")})
             assert steps < 500
         assert core.scheduler.num_preemptions > 0  # the small pool preempted and recomputed requests
         llm.runner.allocator.check_no_leaks()
@@ -125,11 +125,29 @@ def expected_finish(req: Request, eos_ids: set[int], tokenizer) -> FinishReason:
 
 
 def test_mixed_workload_equals_per_request_replay(oracle):
+    reqs = run_engine(workload(shared=True))
+    check_against_replay(oracle, reqs)
+    stopped = reqs[9]  # " Paris": the stop string ends it inside a token, cuts the text and is its stop reason
+    assert stopped.finish_reason is FinishReason.STOP and stopped.stop_reason == "ari" and stopped.text == " P"
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        P(max_tokens=12, temperature=0),  # one argmax for the whole batch
+        P(max_tokens=12, temperature=0, min_tokens=5, logprobs=1),  # per-row min_tokens mask, batched logprobs
+    ],
+)
+def test_batches_under_one_params_object_equal_per_request_replay(oracle, params):
+    """Every running request holds the same SamplingParams: the step samples the batch in whole-batch ops."""
+    check_against_replay(oracle, run_engine([params] * 10, aborted=None))
+
+
+def check_against_replay(oracle, reqs: list[Request]) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(bundled_model_path("tiny-facts"))
     eos_ids = {tokenizer.eos_token_id}
-    reqs = run_engine(workload(shared=True))
     for req in reqs:
         out = req.output_token_ids
         if req.request_id == str(ABORTED):
@@ -149,8 +167,6 @@ def test_mixed_workload_equals_per_request_replay(oracle):
         for n in range(1, len(out)):
             if n >= req.sampling_params.min_tokens:
                 assert out[n - 1] not in eos_ids or req.sampling_params.ignore_eos
-    stopped = reqs[9]  # " Paris": the stop string ends it inside a token, cuts the text and is its stop reason
-    assert stopped.finish_reason is FinishReason.STOP and stopped.stop_reason == "ari" and stopped.text == " P"
 
 
 def test_shared_and_per_request_parameters_give_identical_outputs():
