@@ -45,6 +45,8 @@ class StepTimer:
         self._wrap(core.scheduler, "schedule", "schedule")
         self._wrap(runner, "prepare_forward_batch_decode", "prepare")
         self._wrap(runner, "prepare_forward_batch_extend", "prepare")
+        if hasattr(runner, "advance_decode_batch"):  # the engine's decode chain (absent before issue 36)
+            self._wrap(runner, "advance_decode_batch", "prepare")
         self._wrap(runner.attn_backend, "init_forward_metadata", "plan")
         self._wrap(runner.attn_backend, "forward", "attention")
         self._wrap(runner, "run_model", "model")
