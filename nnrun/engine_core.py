@@ -49,7 +49,7 @@ class DecodeChain:
 
     reqs: list[Request]
     forward_batch: ForwardBatch
-    next_token_ids: list[int]
+    next_token_ids: torch.Tensor  # [B] int64, the sampled tokens each request appended
 
 
 class EngineCore:
@@ -159,7 +159,7 @@ class EngineCore:
         self._record_prompt_logprobs(reqs, logits_output)
         next_token_ids = sampler_output.token_ids.tolist()
         if mode is ForwardMode.DECODE and not sampler_output.row_errors:
-            self._decode_chain = DecodeChain(list(reqs), forward_batch, next_token_ids)
+            self._decode_chain = DecodeChain(list(reqs), forward_batch, sampler_output.token_ids)
         return next_token_ids, self._token_logprobs(reqs, sampler_output)
 
     def abort_requests(self, errors: dict[str, BaseException]) -> list[Request]:

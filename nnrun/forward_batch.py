@@ -108,7 +108,7 @@ def decode_forward_batch(reqs: list[Request], req_to_token: torch.Tensor, page_s
 
 
 def next_decode_forward_batch(
-    previous: ForwardBatch, next_token_ids: list[int], req_to_token: torch.Tensor, page_size: int
+    previous: ForwardBatch, next_token_ids: torch.Tensor, req_to_token: torch.Tensor, page_size: int
 ) -> ForwardBatch:
     """The decode step after `previous` for the same requests, in the same order, each one token further.
 
@@ -120,18 +120,18 @@ def next_decode_forward_batch(
     assert previous.forward_mode is ForwardMode.DECODE and previous.req_pool_indices is not None
     reqs, rows = previous.reqs, previous.req_pool_indices
     positions = previous.positions + 1  # [B] int64
-    slots = previous.out_cache_loc + 1  # [B] int64; right for every request that stays in its page
-    offsets = positions % page_size  # [B] int64
-    for row in (offsets == 0).nonzero().flatten().tolist():  # these enter a new page
-        position = int(positions[row])
-        slots[row] = reqs[row].page_ids[position // page_size] * page_size
-    req_to_token[rows, positions] = slots
     position_list = positions.tolist()
+    slots = previous.out_cache_loc + 1  # [B] int64; right for every request that stays in its page
+    entering = (positions % page_size == 0).nonzero().flatten()  # [E] int64: requests entering a new page
+    if entering.numel():
+        new_pages = [reqs[row].page_ids[position_list[row] // page_size] for row in entering.tolist()]
+        slots[entering] = torch.tensor(new_pages, dtype=torch.int64) * page_size  # [E] their first slots
+    req_to_token[rows, positions] = slots
     kv_slot_table = req_to_token[rows, : previous.kv_slot_table.shape[1] + 1]  # [B, max_seq_len] (a copy)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,
         reqs=reqs,
-        input_ids=torch.tensor(next_token_ids, dtype=torch.int64),  # [B]
+        input_ids=next_token_ids.to(device="cpu", dtype=torch.int64),  # [B], as the token lists end now
         positions=positions,
         out_cache_loc=slots,
         extend_seq_lens=previous.extend_seq_lens,

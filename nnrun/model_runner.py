@@ -230,8 +230,8 @@ class ModelRunner(KVPoolSetup):
             return decode_forward_batch(reqs, self.req_to_token_pool.req_to_token, self.allocator.page_size)
         return self._prepare_forward_batch(reqs, ForwardMode.DECODE)  # mislabelled: the backend's planner refuses it
 
-    def advance_decode_batch(self, previous: ForwardBatch, next_token_ids: list[int]) -> ForwardBatch:
-        """The decode step after `previous`, for its requests each one token (`next_token_ids`) further.
+    def advance_decode_batch(self, previous: ForwardBatch, next_token_ids: torch.Tensor) -> ForwardBatch:
+        """The decode step after `previous`, for its requests each one token (`next_token_ids`, [B]) further.
 
         The engine calls this only when nothing else changed between the two steps (its decode chain);
         the layout is what `prepare_forward_batch_decode` builds, updated in whole-batch ops.

@@ -146,7 +146,7 @@ def test_advanced_decode_batch_equals_a_fresh_one_across_page_boundaries(page_si
                 runner._hold_kv(req)  # a page for the new position when it opens one
             fresh = runner.prepare_forward_batch_decode(reqs)
             if previous is not None:
-                advanced = runner.advance_decode_batch(previous, tokens)
+                advanced = runner.advance_decode_batch(previous, torch.tensor(tokens))
                 for name in ("input_ids", "positions", "out_cache_loc", "logits_indices", "kv_slot_table"):
                     assert torch.equal(getattr(advanced, name), getattr(fresh, name)), (step, name)
                 assert [s.tolist() for s in advanced.kv_slots] == [s.tolist() for s in fresh.kv_slots]
