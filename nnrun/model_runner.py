@@ -350,12 +350,11 @@ class ModelRunner(KVPoolSetup):
 
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> SamplerOutput:
         reqs = forward_batch.reqs
-        shared = shared_sampling_params(reqs)
+        shared = shared_sampling_params(reqs)  # every row the same settings: sampled in whole-batch ops
         with torch.no_grad():
             logits = logits_output.next_token_logits  # [B, V]
-            if shared is not None and shared.min_tokens == 0:  # the whole batch in a few tensor ops
-                return self.sampler.sample_shared(logits, shared)
-            logits = self._mask_stops_before_min_tokens(logits, reqs)
+            if shared is None or shared.min_tokens > 0:
+                logits = self._mask_stops_before_min_tokens(logits, reqs)
             if shared is not None:
                 return self.sampler.sample_shared(logits, shared)
             rows = [

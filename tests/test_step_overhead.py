@@ -159,3 +159,24 @@ def test_advanced_decode_batch_equals_a_fresh_one_across_page_boundaries(page_si
             previous = fresh
         for req in reqs:
             runner.release_kv(req)
+
+
+def test_steady_decode_steps_advance_the_last_one_and_a_changed_batch_is_built_afresh(monkeypatch):
+    """Decode steps of an unchanged batch take the chain; a finished request breaks it (the batch is rebuilt)."""
+    calls = []
+    with nnrun.LLM(make_model("llama")) as llm:
+        runner = llm.runner
+        for name in ("advance_decode_batch", "prepare_forward_batch_decode"):
+            inner = getattr(runner, name)
+            monkeypatch.setattr(runner, name, lambda *a, _inner=inner, _name=name: calls.append(_name) or _inner(*a))
+        prompts = random_prompts([5, 3, 7])
+        params = [nnrun.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 3, 6)]
+        outputs = llm.generate(prompts, params)
+    # Decode steps 2..5 (the prefill gave token 1): a fresh batch, one advance, then the second request's
+    # end changes the batch (fresh again) and the rest advance.
+    assert calls == ["prepare_forward_batch_decode", "advance_decode_batch"] + [
+        "prepare_forward_batch_decode",
+        "advance_decode_batch",
+        "advance_decode_batch",
+    ]
+    assert [len(out.outputs[0].token_ids) for out in outputs] == [6, 3, 6]
