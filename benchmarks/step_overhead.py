@@ -43,18 +43,18 @@ class StepTimer:
         self.seconds: dict[str, float] = defaultdict(float)
         self.num_steps = 0
         core, runner = llm.core, llm.runner
-        self._wrap(core.scheduler, "schedule", "schedule")
-        self._wrap(runner, "prepare_forward_batch_decode", "prepare")
-        self._wrap(runner, "prepare_forward_batch_extend", "prepare")
+        self.wrap(core.scheduler, "schedule", "schedule")
+        self.wrap(runner, "prepare_forward_batch_decode", "prepare")
+        self.wrap(runner, "prepare_forward_batch_extend", "prepare")
         if hasattr(runner, "advance_decode_batch"):  # the engine's decode chain (absent before issue 36)
-            self._wrap(runner, "advance_decode_batch", "prepare")
-        self._wrap(runner.attn_backend, "init_forward_metadata", "plan")
-        self._wrap(runner.attn_backend, "forward", "attention")
-        self._wrap(runner, "run_model", "model")
-        self._wrap(runner, "sample", "sample")
-        self._wrap(core, "step", "step")
+            self.wrap(runner, "advance_decode_batch", "prepare")
+        self.wrap(runner.attn_backend, "init_forward_metadata", "plan")
+        self.wrap(runner.attn_backend, "forward", "attention")
+        self.wrap(runner, "run_model", "model")
+        self.wrap(runner, "sample", "sample")
+        self.wrap(core, "step", "step")
 
-    def _wrap(self, owner: object, method: str, section: str) -> None:
+    def wrap(self, owner: object, method: str, section: str) -> None:
         inner: Callable = getattr(owner, method)
 
         def timed(*args, **kwargs):
@@ -181,9 +181,11 @@ HOST_SECTIONS = ("schedule", "prepare", "plan", "sample")
 def measure_decode(batches: list[int], repeats: int) -> None:
     """Issue 36's CPU table: decode step of nnrun and HF `generate` on the tiny Llama, with nnrun's host sections.
 
-    Step times are wall clock, (best T(17) - best T(1)) / 16. The host sections are the engine
-    thread's CPU time per decode step (the prefill step's taken out), best of the same runs: host is
-    the step less the model's forward (planning counts as host), bookkeeping the step less the rest.
+    Step times are wall clock, (best T(17) - best T(1)) / 16. The same difference in CPU time (the
+    engine thread's for nnrun, the calling thread's for HF) is printed beside them: on a shared
+    machine it is the steadier figure. The host sections are the engine thread's CPU time per decode
+    step (the prefill step's taken out), best of the same runs: host is the step less the model's
+    forward (planning counts as host), bookkeeping the step less the rest.
     """
     import copy
 
@@ -193,12 +195,13 @@ def measure_decode(batches: list[int], repeats: int) -> None:
     hf = copy.deepcopy(model)
     llm = nnrun.LLM(model, max_num_seqs=max(batches), max_total_tokens=max(batches) * 32)
     timer = StepTimer(llm, time.thread_time)
+    timer.wrap(llm, "_publish", "publish")  # the engine loop's per-step work outside the core's step
     print(f"\ntiny Llama (hidden 64, 2 layers, vocab 256), 8-token prompts, greedy; best of {repeats}")
     print(
-        f"{'batch':>6} {'nnrun step':>11} {'HF step':>9} {'HF/nnrun':>9} {'vs batch 1':>10} {'host':>8} "
-        f"{'per req':>9}  host sections per step (ms)"
+        f"{'batch':>6} {'nnrun step':>11} {'HF step':>9} {'HF/nnrun':>9} {'vs batch 1':>10} | {'CPU: nnrun':>10} "
+        f"{'HF':>7} {'HF/nnrun':>8} {'vs batch 1':>10} | {'host':>7} {'per req':>9}  host sections per step (ms)"
     )
-    first_step = None
+    first_step = first_cpu = None
     steps = DECODE_TOKENS - 1
     for batch in batches:
         prompts = [[(7 * i + 3 * j) % 254 + 2 for j in range(8)] for i in range(batch)]
@@ -209,11 +212,13 @@ def measure_decode(batches: list[int], repeats: int) -> None:
                 llm.generate(prompts, nnrun.SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
                 return dict(timer.seconds)
 
-        def theirs(k: int) -> None:
+        def theirs(k: int) -> float:
+            start = time.thread_time()
             with torch.no_grad():
                 hf.generate(
                     ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0
                 )
+            return time.thread_time() - start
 
         ours(2), theirs(2)  # warm-up
         our_times: dict[int, list[float]] = {1: [], DECODE_TOKENS: []}
@@ -223,10 +228,16 @@ def measure_decode(batches: list[int], repeats: int) -> None:
                 start = time.perf_counter()
                 sections[k].append(ours(k))
                 our_times[k].append(time.perf_counter() - start)
+        hf_times: dict[int, list[float]] = {1: [], DECODE_TOKENS: []}
+        hf_cpu: dict[int, list[float]] = {1: [], DECODE_TOKENS: []}
+        for _ in range(repeats):
+            for k in (1, DECODE_TOKENS):
+                start = time.perf_counter()
+                hf_cpu[k].append(theirs(k))
+                hf_times[k].append(time.perf_counter() - start)
         our_step = (min(our_times[DECODE_TOKENS]) - min(our_times[1])) / steps
-        hf_step = (
-            best_seconds(lambda: theirs(DECODE_TOKENS), repeats) - best_seconds(lambda: theirs(1), repeats)
-        ) / steps
+        hf_step = (min(hf_times[DECODE_TOKENS]) - min(hf_times[1])) / steps
+        hf_cpu_step = 1e3 * (min(hf_cpu[DECODE_TOKENS]) - min(hf_cpu[1])) / steps
         names = set(sections[1][0]) | set(sections[DECODE_TOKENS][0])
         per_step = {  # ms per decode step: best of the runs, less the best one-token run (its prefill)
             name: 1e3
@@ -237,10 +248,12 @@ def measure_decode(batches: list[int], repeats: int) -> None:
         host = per_step["step"] - (per_step.get("model", 0.0) - per_step.get("plan", 0.0))
         parts = {name: per_step.get(name, 0.0) for name in HOST_SECTIONS}
         parts["bookkeeping"] = host - sum(parts.values())
-        first_step = first_step or our_step
+        cpu_step = per_step["step"] + per_step.get("publish", 0.0)
+        first_step, first_cpu = first_step or our_step, first_cpu or cpu_step
         print(
             f"{batch:>6} {1e3 * our_step:>9.3f}ms {1e3 * hf_step:>7.3f}ms {hf_step / our_step:>8.2f}x "
-            f"{our_step / first_step:>9.2f}x {host:>6.3f}ms {1e3 * host / batch:>6.2f}us  "
+            f"{our_step / first_step:>9.2f}x | {cpu_step:>8.3f}ms {hf_cpu_step:>5.3f}ms {hf_cpu_step / cpu_step:>7.2f}x "
+            f"{cpu_step / first_cpu:>9.2f}x | {host:>5.3f}ms {1e3 * host / batch:>6.2f}us  "
             + " ".join(f"{name} {value:.3f}" for name, value in parts.items())
         )
     llm.shutdown()
