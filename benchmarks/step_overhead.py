@@ -255,6 +255,8 @@ def measure_decode(batches: list[int], repeats: int) -> None:
             f"{our_step / first_step:>9.2f}x | {cpu_step:>8.3f}ms {hf_cpu_step:>5.3f}ms {hf_cpu_step / cpu_step:>7.2f}x "
             f"{cpu_step / first_cpu:>9.2f}x | {host:>5.3f}ms {1e3 * host / batch:>6.2f}us  "
             + " ".join(f"{name} {value:.3f}" for name, value in parts.items())
+            + f" | model {per_step.get('model', 0.0) - per_step.get('plan', 0.0):.3f}"
+            + f" (attention {per_step.get('attention', 0.0):.3f})"
         )
     llm.shutdown()
 
