@@ -8,7 +8,14 @@ Llama and on a cheap one (one layer, hidden 32), whose math is next to nothing: 
 step's time is almost all fixed cost, and HF `generate`'s time per step there is its own fixed
 cost, the floor nnrun has to match. Ratios are of interleaved runs in one process.
 
-Usage: python benchmarks/step_overhead.py [--prompts 16] [--new-tokens 32] [--reps 5]
+First, issue 36's decode table: the tiny Llama (hidden 64, 2 layers, vocab 256, `common.shape_config`),
+prompts of 8 tokens, greedy, at batch 1, 64 and 256. A decode step's time is
+(T(17 tokens) - T(1)) / 16, best of 3, for nnrun and for HF `generate` on the same model in the
+same run; the engine's host sections are shown per step and per request (a section whose time
+per request does not fall with the batch is per-request Python).
+
+Usage: python benchmarks/step_overhead.py [--batches 1 64 256] [--prompts 16] [--new-tokens 32] [--reps 5]
+       [--decode-only]
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
-from common import interleaved_times, left_padded
+from common import interleaved_times, left_padded, shape_config
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import nnrun
@@ -31,28 +38,31 @@ SECTIONS = ("schedule", "prepare", "plan", "model", "attention", "sample", "book
 class StepTimer:
     """Wraps an engine's step phases (instance attributes only) and sums their seconds."""
 
-    def __init__(self, llm: nnrun.LLM) -> None:
+    def __init__(self, llm: nnrun.LLM, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock  # time.thread_time: the engine thread's CPU time, which other processes' load leaves alone
         self.seconds: dict[str, float] = defaultdict(float)
         self.num_steps = 0
         core, runner = llm.core, llm.runner
-        self._wrap(core.scheduler, "schedule", "schedule")
-        self._wrap(runner, "prepare_forward_batch_decode", "prepare")
-        self._wrap(runner, "prepare_forward_batch_extend", "prepare")
-        self._wrap(runner.attn_backend, "init_forward_metadata", "plan")
-        self._wrap(runner.attn_backend, "forward", "attention")
-        self._wrap(runner, "run_model", "model")
-        self._wrap(runner, "sample", "sample")
-        self._wrap(core, "step", "step")
+        self.wrap(core.scheduler, "schedule", "schedule")
+        self.wrap(runner, "prepare_forward_batch_decode", "prepare")
+        self.wrap(runner, "prepare_forward_batch_extend", "prepare")
+        if hasattr(runner, "advance_decode_batch"):  # the engine's decode chain (absent before issue 36)
+            self.wrap(runner, "advance_decode_batch", "prepare")
+        self.wrap(runner.attn_backend, "init_forward_metadata", "plan")
+        self.wrap(runner.attn_backend, "forward", "attention")
+        self.wrap(runner, "run_model", "model")
+        self.wrap(runner, "sample", "sample")
+        self.wrap(core, "step", "step")
 
-    def _wrap(self, owner: object, method: str, section: str) -> None:
+    def wrap(self, owner: object, method: str, section: str) -> None:
         inner: Callable = getattr(owner, method)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = self.clock()
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.seconds[section] += time.perf_counter() - start
+                self.seconds[section] += self.clock() - start
                 self.num_steps += section == "step"
 
         setattr(owner, method, timed)
@@ -153,14 +163,118 @@ def measure(name: str, model: LlamaForCausalLM, args: argparse.Namespace) -> Non
     llm.shutdown()
 
 
+def best_seconds(run: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+DECODE_TOKENS = 17  # a step is (T(17) - T(1)) / 16
+
+
+HOST_SECTIONS = ("schedule", "prepare", "plan", "sample")
+
+
+def measure_decode(batches: list[int], repeats: int) -> None:
+    """Issue 36's CPU table: decode step of nnrun and HF `generate` on the tiny Llama, with nnrun's host sections.
+
+    Step times are wall clock, (best T(17) - best T(1)) / 16. The same difference in CPU time (the
+    engine thread's for nnrun, the calling thread's for HF) is printed beside them: on a shared
+    machine it is the steadier figure. The host sections are the engine thread's CPU time per decode
+    step (the prefill step's taken out), best of the same runs: host is the step less the model's
+    forward (planning counts as host), bookkeeping the step less the rest.
+    """
+    import copy
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(shape_config("tiny")).eval()
+    model.generation_config.eos_token_id = None
+    hf = copy.deepcopy(model)
+    llm = nnrun.LLM(model, max_num_seqs=max(batches), max_total_tokens=max(batches) * 32)
+    timer = StepTimer(llm, time.thread_time)
+    timer.wrap(llm, "_publish", "publish")  # the engine loop's per-step work outside the core's step
+    print(f"\ntiny Llama (hidden 64, 2 layers, vocab 256), 8-token prompts, greedy; best of {repeats}")
+    print(
+        f"{'batch':>6} {'nnrun step':>11} {'HF step':>9} {'HF/nnrun':>9} {'vs batch 1':>10} | {'CPU: nnrun':>10} "
+        f"{'HF':>7} {'HF/nnrun':>8} {'vs batch 1':>10} | {'host':>7} {'per req':>9}  host sections per step (ms)"
+    )
+    first_step = first_cpu = None
+    steps = DECODE_TOKENS - 1
+    for batch in batches:
+        prompts = [[(7 * i + 3 * j) % 254 + 2 for j in range(8)] for i in range(batch)]
+        ids, mask = left_padded(prompts)
+
+        def ours(k: int) -> dict[str, float]:
+            with timer.measuring():
+                llm.generate(prompts, nnrun.SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
+                return dict(timer.seconds)
+
+        def theirs(k: int) -> float:
+            start = time.thread_time()
+            with torch.no_grad():
+                hf.generate(
+                    ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0
+                )
+            return time.thread_time() - start
+
+        ours(2), theirs(2)  # warm-up
+        our_times: dict[int, list[float]] = {1: [], DECODE_TOKENS: []}
+        sections: dict[int, list[dict[str, float]]] = {1: [], DECODE_TOKENS: []}
+        for _ in range(repeats):
+            for k in (1, DECODE_TOKENS):
+                start = time.perf_counter()
+                sections[k].append(ours(k))
+                our_times[k].append(time.perf_counter() - start)
+        hf_times: dict[int, list[float]] = {1: [], DECODE_TOKENS: []}
+        hf_cpu: dict[int, list[float]] = {1: [], DECODE_TOKENS: []}
+        for _ in range(repeats):
+            for k in (1, DECODE_TOKENS):
+                start = time.perf_counter()
+                hf_cpu[k].append(theirs(k))
+                hf_times[k].append(time.perf_counter() - start)
+        our_step = (min(our_times[DECODE_TOKENS]) - min(our_times[1])) / steps
+        hf_step = (min(hf_times[DECODE_TOKENS]) - min(hf_times[1])) / steps
+        hf_cpu_step = 1e3 * (min(hf_cpu[DECODE_TOKENS]) - min(hf_cpu[1])) / steps
+        names = set(sections[1][0]) | set(sections[DECODE_TOKENS][0])
+        per_step = {  # ms per decode step: best of the runs, less the best one-token run (its prefill)
+            name: 1e3
+            * (min(r.get(name, 0.0) for r in sections[DECODE_TOKENS]) - min(r.get(name, 0.0) for r in sections[1]))
+            / steps
+            for name in names
+        }
+        host = per_step["step"] - (per_step.get("model", 0.0) - per_step.get("plan", 0.0))
+        parts = {name: per_step.get(name, 0.0) for name in HOST_SECTIONS}
+        parts["bookkeeping"] = host - sum(parts.values())
+        cpu_step = per_step["step"] + per_step.get("publish", 0.0)
+        first_step, first_cpu = first_step or our_step, first_cpu or cpu_step
+        print(
+            f"{batch:>6} {1e3 * our_step:>9.3f}ms {1e3 * hf_step:>7.3f}ms {hf_step / our_step:>8.2f}x "
+            f"{our_step / first_step:>9.2f}x | {cpu_step:>8.3f}ms {hf_cpu_step:>5.3f}ms {hf_cpu_step / cpu_step:>7.2f}x "
+            f"{cpu_step / first_cpu:>9.2f}x | {host:>5.3f}ms {1e3 * host / batch:>6.2f}us  "
+            + " ".join(f"{name} {value:.3f}" for name, value in parts.items())
+            + f" | model {per_step.get('model', 0.0) - per_step.get('plan', 0.0):.3f}"
+            + f" (attention {per_step.get('attention', 0.0):.3f})"
+        )
+    llm.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--decode-only", action="store_true", help="only issue 36's decode table")
+    parser.add_argument("--decode-repeats", type=int, default=3, help="runs per decode measurement; the best counts")
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
+    measure_decode(args.batches, args.decode_repeats)
+    if args.decode_only:
+        return
     print(f"torch threads {torch.get_num_threads()}; times are medians of {args.reps} interleaved rounds")
     measure("cheap Llama (1 layer, hidden 32): almost all fixed cost", llama(32, 1, 256), args)
     measure("small Llama (4 layers, hidden 256)", llama(256, 4, 1024), args)

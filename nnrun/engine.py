@@ -113,6 +113,7 @@ class LLM:
         self._wakeup = threading.Condition()
         self._stopping = False
         self._num_pauses = 0  # > 0 while a caller holds the engine between steps (`paused()`)
+        self._num_streams = 0  # streaming handles not yet finished (guarded by `_wakeup`)
         self._thread: threading.Thread | None = None
         stop_at_exit(self)  # a daemon engine thread still running at finalization aborts the process
 
@@ -356,6 +357,7 @@ class LLM:
             for req, handle in zip(requests, handles):
                 req.arrival_order = next(self._arrivals)
                 self._handles[req.request_id] = handle
+            self._num_streams += len(requests) if stream else 0
             self._inbox.extend(requests)
             self._wakeup.notify()
             if self._thread is None:
@@ -391,7 +393,7 @@ class LLM:
                 ):
                     self._wakeup.wait()
                 if self._stopping:
-                    self._publish(self.core.abort_all(RuntimeError("the engine was shut down")))
+                    self._publish((), self.core.abort_all(RuntimeError("the engine was shut down")))
                     return
                 inbox, self._inbox = self._inbox, []
                 aborts, self._aborts = self._aborts, {}
@@ -408,8 +410,13 @@ class LLM:
             self._publish(stepped, finished)
 
     def _publish(self, stepped: Iterable[Request], finished: Iterable[Request] = ()) -> None:
+        """Stream the stepped requests' outputs and wake the finished ones' callers.
+
+        `finished` holds every request that ended; `stepped` matters only to streams, so with none
+        open a step costs nothing here per running request.
+        """
         stop_checker = self.core.stop_checker
-        for req in itertools.chain(stepped, finished):
+        for req in itertools.chain(stepped if self._num_streams else (), finished):
             handle = self._handles.get(req.request_id)
             if handle is None:
                 continue
@@ -419,6 +426,9 @@ class LLM:
             if req.is_finished:
                 handle._finish()
                 self._handles.pop(req.request_id, None)
+                if handle._stream is not None:
+                    with self._wakeup:
+                        self._num_streams -= 1
 
 
 def _eos_token_ids(model: torch.nn.Module, tokenizer: Any) -> set[int]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nnrun.forward_batch import ForwardMode
+from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.model_runner import LogitsProcessorOutput, ModelRunner
 from nnrun.request import Request
 from nnrun.sampler import SamplerOutput, compute_logprobs
@@ -38,6 +38,20 @@ class StepCounters:
         return dict(vars(self))
 
 
+@dataclass
+class DecodeChain:
+    """The last decode step's batch and sampled tokens, from which the next decode step is advanced.
+
+    Valid for a decode step whose requests are exactly `reqs`, in order: each of them then appended
+    its token of `next_token_ids` and nothing else (no finish, preemption, abort or admission, each
+    of which changes the running list or makes the step an extend) changed it.
+    """
+
+    reqs: list[Request]
+    forward_batch: ForwardBatch
+    next_token_ids: torch.Tensor  # [B] int64, the sampled tokens each request appended
+
+
 class EngineCore:
     """Drives the runner with the scheduler; knows nothing about threads or callers."""
 
@@ -48,6 +62,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             runner.config.scheduler, runner.allocator, runner.req_to_token_pool, self.stop_checker
         )
+        self._decode_chain: DecodeChain | None = None
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)
@@ -71,8 +86,10 @@ class EngineCore:
                 logger.exception("engine step failed")
                 finished += self.scheduler.fail_requests(reqs, error)
             else:
-                blamed = [req for req in reqs if req not in ran]
-                finished += self.scheduler.fail_requests(blamed, RuntimeError("the step failed"))
+                if len(ran) != len(reqs):  # some requests' group failed: they end, the others go on
+                    ran_ids = set(map(id, ran))
+                    blamed = [req for req in reqs if id(req) not in ran_ids]
+                    finished += self.scheduler.fail_requests(blamed, RuntimeError("the step failed"))
                 finished += self.scheduler.process_batch_result(ran, next_ids, token_logprobs)
             finished += self._drain_scheduler_failures()
             self._finish(finished)
@@ -124,10 +141,13 @@ class EngineCore:
 
     def _run_batch(self, reqs: list[Request], mode: ForwardMode) -> tuple[list[int], list[dict[int, float] | None]]:
         """Forward and sample one batch -> (next token ids, their logprobs), in batch order."""
-        if mode is ForwardMode.DECODE:
-            forward_batch = self.runner.prepare_forward_batch_decode(reqs)
-        else:
+        chain, self._decode_chain = self._decode_chain, None
+        if mode is not ForwardMode.DECODE:
             forward_batch = self.runner.prepare_forward_batch_extend(reqs)
+        elif chain is not None and chain.reqs == reqs:  # the same requests as the last decode step, one token on
+            forward_batch = self.runner.advance_decode_batch(chain.forward_batch, chain.next_token_ids)
+        else:
+            forward_batch = self.runner.prepare_forward_batch_decode(reqs)
         counters = self.counters
         counters.forwards += 1
         counters.batched_requests += len(reqs)
@@ -137,7 +157,10 @@ class EngineCore:
         for row, reason in sampler_output.row_errors.items():
             reqs[row].fail(ValueError(f"request {reqs[row].request_id}: {reason}"))
         self._record_prompt_logprobs(reqs, logits_output)
-        return sampler_output.token_ids.tolist(), self._token_logprobs(reqs, sampler_output)
+        next_token_ids = sampler_output.token_ids.tolist()
+        if mode is ForwardMode.DECODE and not sampler_output.row_errors:
+            self._decode_chain = DecodeChain(list(reqs), forward_batch, sampler_output.token_ids)
+        return next_token_ids, self._token_logprobs(reqs, sampler_output)
 
     def abort_requests(self, errors: dict[str, BaseException]) -> list[Request]:
         """Finish the named requests now (those still waiting or running); returns them."""
@@ -173,6 +196,8 @@ class EngineCore:
 
     @staticmethod
     def _token_logprobs(reqs: list[Request], out: SamplerOutput) -> list[dict[int, float] | None]:
+        if out.logprobs is None:  # no row asked: nothing per request
+            return [None] * len(reqs)
         result: list[dict[int, float] | None] = []
         for row, req in enumerate(reqs):
             num_top = req.sampling_params.logprobs

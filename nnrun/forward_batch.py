@@ -41,6 +41,7 @@ class ForwardBatch:
     # [B, max_seq_len] int64: row b's first seq_lens[b] entries are kv_slots[b]; the rest is stale (any slot).
     # Set for decode steps, so a backend can read the whole page table in one tensor instead of B of them.
     kv_slot_table: torch.Tensor | None = None
+    req_pool_indices: torch.Tensor | None = None  # [B] int64 request-table rows; set for decode steps
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +103,46 @@ def decode_forward_batch(reqs: list[Request], req_to_token: torch.Tensor, page_s
         next_token_logits_rows=list(range(num_reqs)),
         prompt_logits_rows=[None] * num_reqs,
         kv_slot_table=kv_slot_table,
+        req_pool_indices=rows,
+    )
+
+
+def next_decode_forward_batch(
+    previous: ForwardBatch, next_token_ids: torch.Tensor, req_to_token: torch.Tensor, page_size: int
+) -> ForwardBatch:
+    """The decode step after `previous` for the same requests, in the same order, each one token further.
+
+    The caller guarantees that each request appended exactly `next_token_ids[b]` since `previous`
+    (the engine's decode chain), and that the scheduler holds a page for each new position. Nothing
+    is read per request but the new page of those that enter one (one in `page_size` steps): positions
+    and slots advance by one in whole-batch ops, and the request table gets the new slots in one write.
+    """
+    assert previous.forward_mode is ForwardMode.DECODE and previous.req_pool_indices is not None
+    reqs, rows = previous.reqs, previous.req_pool_indices
+    positions = previous.positions + 1  # [B] int64
+    position_list = positions.tolist()
+    slots = previous.out_cache_loc + 1  # [B] int64; right for every request that stays in its page
+    entering = (positions % page_size == 0).nonzero().flatten()  # [E] int64: requests entering a new page
+    if entering.numel():
+        new_pages = [reqs[row].page_ids[position_list[row] // page_size] for row in entering.tolist()]
+        slots[entering] = torch.tensor(new_pages, dtype=torch.int64) * page_size  # [E] their first slots
+    req_to_token[rows, positions] = slots
+    kv_slot_table = req_to_token[rows, : previous.kv_slot_table.shape[1] + 1]  # [B, max_seq_len] (a copy)
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        reqs=reqs,
+        input_ids=next_token_ids.to(device="cpu", dtype=torch.int64),  # [B], as the token lists end now
+        positions=positions,
+        out_cache_loc=slots,
+        extend_seq_lens=previous.extend_seq_lens,
+        extend_start_loc=previous.extend_start_loc,
+        prefix_lens=position_list,
+        kv_slots=TableRows(kv_slot_table, position_list),
+        logits_indices=previous.logits_indices,
+        next_token_logits_rows=previous.next_token_logits_rows,
+        prompt_logits_rows=previous.prompt_logits_rows,
+        kv_slot_table=kv_slot_table,
+        req_pool_indices=rows,
     )
 
 

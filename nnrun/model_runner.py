@@ -20,7 +20,14 @@ from nnrun.attention.selection import create_attention_backend
 from nnrun.config import EngineConfig
 from nnrun.cuda_graph import CudaGraphCapturer, DecodeGraphRunner, GraphCapturer, default_batch_sizes
 from nnrun.exact import FORCED_REASON, HFForward, choose_exact_forward, packed_layers
-from nnrun.forward_batch import ForwardBatch, ForwardMode, decode_forward_batch, is_decode_step, packed_forward_batch
+from nnrun.forward_batch import (
+    ForwardBatch,
+    ForwardMode,
+    decode_forward_batch,
+    is_decode_step,
+    next_decode_forward_batch,
+    packed_forward_batch,
+)
 from nnrun.loader import load_model, max_context_len, packed_unfit_reason
 from nnrun.memory import hold_kv, release_kv
 from nnrun.model_probe import AttentionLayerInfo
@@ -223,6 +230,18 @@ class ModelRunner(KVPoolSetup):
             return decode_forward_batch(reqs, self.req_to_token_pool.req_to_token, self.allocator.page_size)
         return self._prepare_forward_batch(reqs, ForwardMode.DECODE)  # mislabelled: the backend's planner refuses it
 
+    def advance_decode_batch(self, previous: ForwardBatch, next_token_ids: torch.Tensor) -> ForwardBatch:
+        """The decode step after `previous`, for its requests each one token (`next_token_ids`, [B]) further.
+
+        The engine calls this only when nothing else changed between the two steps (its decode chain);
+        the layout is what `prepare_forward_batch_decode` builds, updated in whole-batch ops.
+        """
+        if self.exact_forward is not None or previous.req_pool_indices is None:
+            return self.prepare_forward_batch_decode(previous.reqs)
+        return next_decode_forward_batch(
+            previous, next_token_ids, self.req_to_token_pool.req_to_token, self.allocator.page_size
+        )
+
     def _prepare_forward_batch(self, reqs: list[Request], mode: ForwardMode) -> ForwardBatch:
         """Every uncached token of each request (no chunking); the scheduler has allocated the pages."""
         if self.exact_forward is not None:  # one request per forward (`forward_groups`)
@@ -318,6 +337,9 @@ class ModelRunner(KVPoolSetup):
 
     @staticmethod
     def process_logits(logits: torch.Tensor, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        if forward_batch.forward_mode is ForwardMode.DECODE and logits.shape[0] == forward_batch.batch_size:
+            # One row per request, in batch order: the rows are all of them (a copy, as a gather would make).
+            return LogitsProcessorOutput(next_token_logits=logits.clone())
         prompt_logits = [
             None if rows is None else logits[rows[0] : rows[1]] for rows in forward_batch.prompt_logits_rows
         ]
@@ -327,12 +349,18 @@ class ModelRunner(KVPoolSetup):
         )
 
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> SamplerOutput:
-        rows = [
-            SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids, req.generator)
-            for req in forward_batch.reqs
-        ]
+        reqs = forward_batch.reqs
+        shared = shared_sampling_params(reqs)  # every row the same settings: sampled in whole-batch ops
         with torch.no_grad():
-            logits = self._mask_stops_before_min_tokens(logits_output.next_token_logits, forward_batch.reqs)
+            logits = logits_output.next_token_logits  # [B, V]
+            if shared is None or shared.min_tokens > 0:
+                logits = self._mask_stops_before_min_tokens(logits, reqs)
+            if shared is not None:
+                return self.sampler.sample_shared(logits, shared)
+            rows = [
+                SamplingRow(req.sampling_params, req.prompt_token_ids, req.output_token_ids, req.generator)
+                for req in reqs
+            ]
             return self.sampler(logits, rows)
 
     def _mask_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -408,6 +436,18 @@ class ModelRunner(KVPoolSetup):
     def release_kv(self, req: Request) -> None:
         """Free a request's pages and table row (safe to call twice)."""
         release_kv(req, self.allocator, self.req_to_token_pool)
+
+
+def shared_sampling_params(reqs: list[Request]) -> SamplingParams | None:
+    """The one SamplingParams object every request holds, if it needs no per-row work (penalties, own RNG)."""
+    if not reqs:
+        return None
+    params = reqs[0].sampling_params
+    if params.has_penalties or params.seed is not None:
+        return None
+    if all(req.sampling_params is params and req.generator is None for req in reqs):
+        return params
+    return None
 
 
 _PREFILL_PARAMS = SamplingParams(max_tokens=1)

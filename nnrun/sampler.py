@@ -36,8 +36,79 @@ UNSAMPLABLE_ROW = (
 )
 
 
+@dataclass
+class RowSettings:
+    """The rows' temperature and filters as columns: read off each row, or broadcast from shared params."""
+
+    temperature: torch.Tensor  # [S, 1] float32
+    filtered: list[int] | None  # rows that ask for top-k or top-p; None: every row does
+    top_k: torch.Tensor | None  # [F] int64 (the vocabulary size where a row has no top-k); None: no row filters
+    top_p: torch.Tensor | None  # [F, 1] float32; None when no filtered row asks for top-p
+    min_p: torch.Tensor | None  # [S, 1] float32; None when no row asks for min-p
+    generators: list[torch.Generator | None] | None  # per row; None when no row has its own
+
+    @classmethod
+    def of_rows(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> "RowSettings":
+        params = [row.params for row in rows]
+        filtered = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+        picked = [params[j] for j in filtered]
+        top_k = top_p = None
+        if filtered:
+            top_k = torch.tensor(
+                [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in picked], device=device
+            )  # [F] int64
+            top_p = _column([p.top_p for p in picked], device) if any(p.top_p < 1.0 for p in picked) else None
+        min_p = [p.min_p for p in params]
+        generators = [row.generator for row in rows]
+        return cls(
+            temperature=_column([p.temperature for p in params], device),
+            filtered=None if len(filtered) == len(rows) else filtered,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=_column(min_p, device) if any(p > 0 for p in min_p) else None,
+            generators=generators if any(g is not None for g in generators) else None,
+        )
+
+    @classmethod
+    def shared(cls, params: SamplingParams, num_rows: int, vocab_size: int, device: torch.device) -> "RowSettings":
+        """Every row under `params`, none with its own generator: columns of one value (the same float32s)."""
+        is_filtered = params.top_k > 0 or params.top_p < 1.0
+        top_k = min(params.top_k, vocab_size) if params.top_k > 0 else vocab_size
+        return cls(
+            temperature=_full(num_rows, params.temperature, device),
+            filtered=None if is_filtered else [],
+            top_k=torch.full((num_rows,), top_k, dtype=torch.int64, device=device) if is_filtered else None,
+            top_p=_full(num_rows, params.top_p, device) if is_filtered and params.top_p < 1.0 else None,
+            min_p=_full(num_rows, params.min_p, device) if params.min_p > 0 else None,
+            generators=None,
+        )
+
+
 class Sampler:
     """Chooses one token per row: greedy rows never touch an RNG, seeded rows draw only from their own."""
+
+    def sample_shared(self, logits: torch.Tensor, params: SamplingParams) -> SamplerOutput:
+        """Every row under the same `params`, without penalties or own generators: whole-batch ops only.
+
+        The same tokens and logprobs as `__call__` on those rows, with no Python per row: greedy is
+        one argmax, sampling one batched temperature/filter/draw (the default RNG, consumed as there).
+        """
+        assert logits.dim() == 2 and not params.has_penalties and params.seed is None
+        raw = logits.float()  # [R, V]; aliases the caller's tensor when it is float32, so only out-of-place ops
+        row_errors: dict[int, str] = {}
+        if params.is_greedy:
+            token_ids = raw.argmax(dim=-1)  # [R] int64
+        else:
+            settings = RowSettings.shared(params, raw.shape[0], raw.shape[1], raw.device)
+            token_ids, is_unsamplable = _sample(raw, settings)  # [R] int64, [R] bool
+            if bool(is_unsamplable.any()):
+                bad_rows = is_unsamplable.nonzero().flatten().tolist()
+                token_ids[bad_rows] = 0  # placeholders: a failed request never appends its token
+                row_errors = dict.fromkeys(bad_rows, UNSAMPLABLE_ROW)
+        if params.logprobs is None:
+            return SamplerOutput(token_ids, None, None, None, row_errors)
+        logprobs, top_ids, top_logprobs = compute_logprobs(raw, token_ids, params.logprobs)
+        return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs, row_errors)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one row of logits per SamplingRow"
@@ -45,14 +116,17 @@ class Sampler:
         penalized = apply_penalties(raw, rows)  # [R, V]; same aliasing rule
         sample_indices = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         row_errors: dict[int, str] = {}
+        vocab_size, device = logits.shape[1], logits.device
         if len(sample_indices) == len(rows):
-            token_ids, is_unsamplable = _sample(penalized, rows)  # [R] int64, [R] bool
+            settings = RowSettings.of_rows(rows, vocab_size, device)
+            token_ids, is_unsamplable = _sample(penalized, settings)  # [R] int64, [R] bool
         else:
             token_ids = penalized.argmax(dim=-1)  # [R] int64; final for greedy rows
             is_unsamplable = None
             if sample_indices:
-                index = torch.tensor(sample_indices, device=logits.device)  # [S] int64
-                token_ids[index], is_unsamplable = _sample(penalized[index], [rows[i] for i in sample_indices])
+                index = torch.tensor(sample_indices, device=device)  # [S] int64
+                settings = RowSettings.of_rows([rows[i] for i in sample_indices], vocab_size, device)
+                token_ids[index], is_unsamplable = _sample(penalized[index], settings)
         if is_unsamplable is not None and bool(is_unsamplable.any()):
             bad_rows = [sample_indices[j] for j in is_unsamplable.nonzero().flatten().tolist()]
             token_ids[bad_rows] = 0  # placeholders: a failed request never appends its token
@@ -106,43 +180,33 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return out
 
 
-def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample(logits: torch.Tensor, settings: RowSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature, top-k, top-p, min-p, then an exact categorical draw per row -> [S] int64.
 
     Also returns which rows cannot be sampled ([S] bool): a NaN anywhere, or no probability
     mass left. Such a row (a block wrote NaN, say) fails its own request, not the batch.
     """
-    device = logits.device
-    temperature = _column([row.params.temperature for row in rows], device)  # [S, 1]
     # A new tensor: the filters below may write in place without touching the caller's logits.
-    logits = logits / temperature  # [S, V]
-    logits = _apply_top_k_top_p(logits, rows)
-    min_p = [row.params.min_p for row in rows]
-    if any(p > 0 for p in min_p):
+    logits = logits / settings.temperature  # [S, V]
+    logits = _apply_top_k_top_p(logits, settings)
+    if settings.min_p is not None:
         max_logit = logits.amax(dim=-1, keepdim=True)  # [S, 1]
         # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p); log(0) = -inf drops nothing.
-        logits.masked_fill_(logits < max_logit + _column(min_p, device).log(), float("-inf"))
+        logits.masked_fill_(logits < max_logit + settings.min_p.log(), float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # [S, V]
     is_unsamplable = probs.isnan().any(dim=-1)  # [S] bool; an all -inf row softmaxes to NaN too
     # Exponential race: argmax(p_i / q_i) with q_i ~ Exp(1) is distributed exactly as Categorical(p).
-    return probs.div_(_exponential_noise(probs, rows)).argmax(dim=-1), is_unsamplable
+    return probs.div_(_exponential_noise(probs, settings.generators)).argmax(dim=-1), is_unsamplable
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _apply_top_k_top_p(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
     """Mask tokens outside top-k, then outside the top-p nucleus; only rows that ask for either are sorted."""
-    filtered = [j for j, row in enumerate(rows) if row.params.top_k > 0 or row.params.top_p < 1.0]
-    if not filtered:
+    if settings.top_k is None:
         return logits
-    device, vocab_size = logits.device, logits.shape[1]
-    params = [rows[j].params for j in filtered]
-    top_k = torch.tensor(
-        [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params], device=device
-    )  # [F] int64
-    top_p = _column([p.top_p for p in params], device) if any(p.top_p < 1.0 for p in params) else None  # [F, 1]
-    if len(filtered) == len(rows):
-        return _top_k_top_p(logits, top_k, top_p)
-    index = torch.tensor(filtered, device=device)  # [F] int64
-    logits[index] = _top_k_top_p(logits[index], top_k, top_p)
+    if settings.filtered is None:
+        return _top_k_top_p(logits, settings.top_k, settings.top_p)
+    index = torch.tensor(settings.filtered, device=logits.device)  # [F] int64
+    logits[index] = _top_k_top_p(logits[index], settings.top_k, settings.top_p)
     return logits
 
 
@@ -165,19 +229,19 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor 
     return logits.scatter_(1, sorted_ids, sorted_logits)
 
 
-def _exponential_noise(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _exponential_noise(probs: torch.Tensor, generators: list[torch.Generator | None] | None) -> torch.Tensor:
     """Exp(1) noise [S, V]: seeded rows draw V values from their own generator, whatever else is in the batch."""
     noise = torch.empty_like(probs)  # [S, V]
-    unseeded = [j for j, row in enumerate(rows) if row.generator is None]
-    if len(unseeded) == len(rows):
+    if generators is None:
         noise.exponential_()
     else:
+        unseeded = [j for j, generator in enumerate(generators) if generator is None]
         if unseeded:
             index = torch.tensor(unseeded, device=probs.device)  # [U] int64
             noise[index] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
-        for j, row in enumerate(rows):
-            if row.generator is not None:
-                noise[j].exponential_(generator=row.generator)
+        for j, generator in enumerate(generators):
+            if generator is not None:
+                noise[j].exponential_(generator=generator)
     # A zero draw would turn a masked token's 0 / 0 into NaN, which argmax would pick.
     return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
@@ -200,3 +264,7 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.d
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)  # [N, 1]
+
+
+def _full(num_rows: int, value: float, device: torch.device) -> torch.Tensor:
+    return torch.full((num_rows, 1), value, dtype=torch.float32, device=device)  # [N, 1], as `_column` of N values

@@ -52,8 +52,9 @@ class Scheduler:
 
     # ---- choosing a step ------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        scheduled = self._schedule_running()
-        self._admit_waiting(scheduled, self.config.max_num_batched_tokens - len(scheduled))
+        scheduled, is_decode = self._schedule_running()
+        num_running = len(scheduled)
+        self._admit_waiting(scheduled, self.config.max_num_batched_tokens - num_running)
         if not scheduled:
             if self.running:  # only unpreemptible requests hold the pool and none can grow: fail the newest
                 stuck = max(self.running, key=lambda r: r.arrival_order)
@@ -66,7 +67,7 @@ class Scheduler:
                 self._finish(stuck, FinishReason.ERROR, stuck.error)
                 self.just_failed.append(stuck)
             return None
-        is_decode = all(r.num_computed_tokens == r.num_tokens - 1 and r.num_computed_tokens > 0 for r in scheduled)
+        is_decode = is_decode and len(scheduled) == num_running  # an admitted request brings its prompt
         return ScheduledBatch(scheduled, ForwardMode.DECODE if is_decode else ForwardMode.EXTEND)
 
     def _admit_waiting(self, scheduled: list[Request], budget: int) -> None:
@@ -122,22 +123,36 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(req)
 
-    def _schedule_running(self) -> list[Request]:
-        """Running requests, oldest first, each given KV for its next token, preempting if needed."""
+    def _schedule_running(self) -> tuple[list[Request], bool]:
+        """Running requests, oldest first, each given KV for its next token, preempting if needed.
+
+        Also says whether each of them brings exactly one new token after a cached prefix (a decode
+        step, unless waiting requests join). A request whose pages already hold its next token (all
+        but one step in `page_size`) costs a few int compares here: this loop runs every step.
+        """
         scheduled: list[Request] = []
+        is_decode = True
+        page_size = self.allocator.page_size
+        running = RequestStatus.RUNNING
         for req in list(self.running):
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # preempted earlier in this loop
-            while not self._hold_kv(req, req.num_tokens):
-                victim = self._pick_victim(exclude=scheduled)
-                if victim is None:
-                    break
-                self._preempt(victim)
-                if victim is req:
-                    break
-            else:
-                scheduled.append(req)
-        return scheduled
+            num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+            if req.req_pool_idx is None or num_tokens > len(req.page_ids) * page_size:
+                while not self._hold_kv(req, num_tokens):
+                    victim = self._pick_victim(exclude=scheduled)
+                    if victim is None:
+                        break
+                    self._preempt(victim)
+                    if victim is req:
+                        break
+                else:
+                    scheduled.append(req)
+                    is_decode = is_decode and 0 < req.num_computed_tokens == num_tokens - 1
+                continue
+            scheduled.append(req)  # it holds KV for its next token already: hold_kv would change nothing
+            is_decode = is_decode and 0 < req.num_computed_tokens == num_tokens - 1
+        return scheduled, is_decode
 
     def _pick_victim(self, exclude: list[Request]) -> Request | None:
         candidates = [r for r in self.running if r.is_preemptible and r not in exclude]
@@ -163,18 +178,21 @@ class Scheduler:
     ) -> list[Request]:
         """Append each request's new token and finish those that stop; returns the finished ones."""
         finished = []
+        check = self.stop_checker.check
+        finished_status = RequestStatus.FINISHED
         for req, token_id, token_logprobs in zip(reqs, next_token_ids, logprobs):
-            if req.is_finished:
+            if req.status is finished_status:
                 continue
             if req.error is not None:
                 self._finish(req, FinishReason.ERROR, req.error)
                 finished.append(req)
                 continue
-            req.num_computed_tokens = req.num_tokens
-            req.output_token_ids.append(token_id)
+            output = req.output_token_ids
+            req.num_computed_tokens = len(req.prompt_token_ids) + len(output)
+            output.append(token_id)
             if token_logprobs is not None:
                 req.output_logprobs.append(token_logprobs)
-            reason = self.stop_checker.check(req)
+            reason = check(req)
             if reason is not None:
                 self._finish(req, reason)
                 finished.append(req)

@@ -16,31 +16,30 @@ class StopChecker:
         self.tokenizer = tokenizer
 
     def check(self, req: Request) -> FinishReason | None:
+        """Why `req` stops after its newest token, or None; read once per request per step, so kept lean."""
         params = req.sampling_params
-        token_id = req.output_token_ids[-1]
-        if len(req.output_token_ids) < params.min_tokens:
-            return self._length_limit(req)
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            req.stop_reason = None
-            return FinishReason.STOP
-        if token_id in params.stop_token_ids:
-            req.stop_reason = token_id
-            return FinishReason.STOP
-        if params.stop_strings and self.tokenizer is not None:
-            text = self.detokenize(req)
-            for stop in params.stop_strings:
-                index = text.find(stop)
-                if index >= 0:
-                    req.text = text[:index]
-                    req.stop_reason = stop
-                    return FinishReason.STOP
-        return self._length_limit(req)
-
-    def _length_limit(self, req: Request) -> FinishReason | None:
-        max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None and len(req.output_token_ids) >= max_tokens:
+        output = req.output_token_ids
+        num_output = len(output)
+        if num_output >= params.min_tokens:  # before min_tokens only the length limits stop a request
+            token_id = output[-1]
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                req.stop_reason = None
+                return FinishReason.STOP
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                req.stop_reason = token_id
+                return FinishReason.STOP
+            if params.stop_strings and self.tokenizer is not None:
+                text = self.detokenize(req)
+                for stop in params.stop_strings:
+                    index = text.find(stop)
+                    if index >= 0:
+                        req.text = text[:index]
+                        req.stop_reason = stop
+                        return FinishReason.STOP
+        max_tokens = params.max_tokens
+        if max_tokens is not None and num_output >= max_tokens:
             return FinishReason.LENGTH
-        if req.num_tokens >= self.max_model_len:
+        if len(req.prompt_token_ids) + num_output >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

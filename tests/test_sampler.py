@@ -291,3 +291,36 @@ def test_compute_logprobs_for_prompt_targets():
     assert torch.equal(top_ids, raw.topk(2).indices)
     assert torch.allclose(top_logprobs, raw.topk(2).values)
     assert compute_logprobs(logits, targets, 0)[1:] == (None, None)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logprobs=3),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=4, logprobs=0),
+        SamplingParams(temperature=0.9, top_p=0.8),
+        SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.05, logprobs=2),
+        SamplingParams(min_p=0.2),
+    ],
+)
+def test_shared_params_fast_path_equals_the_per_row_sampler_bitwise(params):
+    """Rows sharing one SamplingParams take whole-batch ops: the same tokens, logprobs and RNG draws as per row."""
+    logits = torch.randn(9, 40, generator=torch.Generator().manual_seed(3)) * 3  # [R, V]
+    logits[4] = float("nan")  # an unsamplable row fails alone (greedy rows take its argmax, as per row)
+    logits[6, :20] = logits[6, 0]  # ties
+    torch.manual_seed(1)
+    per_row = Sampler()(logits, [_row(params) for _ in range(9)])
+    after_per_row = torch.rand(1)  # the default RNG is consumed exactly as much on both paths
+    torch.manual_seed(1)
+    shared = Sampler().sample_shared(logits, params)
+    assert torch.equal(torch.rand(1), after_per_row)
+    assert torch.equal(shared.token_ids, per_row.token_ids)
+    assert shared.row_errors == per_row.row_errors
+    for name in ("logprobs", "top_logprob_ids", "top_logprobs"):
+        ours, theirs = getattr(shared, name), getattr(per_row, name)
+        if ours is None or theirs is None:
+            assert ours is theirs, name
+            continue
+        assert ours.dtype == theirs.dtype and ((ours == theirs) | (ours.isnan() & theirs.isnan())).all(), name

@@ -125,3 +125,58 @@ def test_adjacent_equal_prompts_attend_in_one_ungathered_call_and_match_solo_run
         together = [out.outputs[0].token_ids for out in llm.generate(prompts, GREEDY)]
         alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in prompts]
     assert together == alone
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_advanced_decode_batch_equals_a_fresh_one_across_page_boundaries(page_size):
+    """The engine's decode chain (positions and slots + 1, new pages looked up) builds what a fresh layout builds."""
+    with nnrun.LLM(make_model("llama"), page_size=page_size, num_pages=256) as llm:
+        runner = llm.runner
+        runner.allocator._free_pages.reverse()  # descending page ids: a new page is never the next slot
+        reqs = [llm.make_request(p, GREEDY) for p in random_prompts([5, 1, 9, 4, 7])]
+        for req in reqs:
+            runner._hold_kv(req)
+        runner.prepare_forward_batch_extend(reqs)
+        previous = None
+        for step in range(2 * page_size + 3):
+            tokens = [(7 * step + row) % 50 for row in range(len(reqs))]
+            for req, token in zip(reqs, tokens):
+                req.num_computed_tokens = req.num_tokens
+                req.output_token_ids.append(token)
+                runner._hold_kv(req)  # a page for the new position when it opens one
+            fresh = runner.prepare_forward_batch_decode(reqs)
+            if previous is not None:
+                advanced = runner.advance_decode_batch(previous, torch.tensor(tokens))
+                for name in ("input_ids", "positions", "out_cache_loc", "logits_indices", "kv_slot_table"):
+                    assert torch.equal(getattr(advanced, name), getattr(fresh, name)), (step, name)
+                assert [s.tolist() for s in advanced.kv_slots] == [s.tolist() for s in fresh.kv_slots]
+                assert (advanced.prefix_lens, advanced.extend_seq_lens, advanced.seq_lens) == (
+                    fresh.prefix_lens,
+                    fresh.extend_seq_lens,
+                    fresh.seq_lens,
+                )
+                fresh = advanced
+            previous = fresh
+        for req in reqs:
+            runner.release_kv(req)
+
+
+def test_steady_decode_steps_advance_the_last_one_and_a_changed_batch_is_built_afresh(monkeypatch):
+    """Decode steps of an unchanged batch take the chain; a finished request breaks it (the batch is rebuilt)."""
+    calls = []
+    with nnrun.LLM(make_model("llama")) as llm:
+        runner = llm.runner
+        for name in ("advance_decode_batch", "prepare_forward_batch_decode"):
+            inner = getattr(runner, name)
+            monkeypatch.setattr(runner, name, lambda *a, _inner=inner, _name=name: calls.append(_name) or _inner(*a))
+        prompts = random_prompts([5, 3, 7])
+        params = [nnrun.SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 3, 6)]
+        outputs = llm.generate(prompts, params)
+    # Decode steps 2..5 (the prefill gave token 1): a fresh batch, one advance, then the second request's
+    # end changes the batch (fresh again) and the rest advance.
+    assert calls == ["prepare_forward_batch_decode", "advance_decode_batch"] + [
+        "prepare_forward_batch_decode",
+        "advance_decode_batch",
+        "advance_decode_batch",
+    ]
+    assert [len(out.outputs[0].token_ids) for out in outputs] == [6, 3, 6]
