@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-
 from common import left_padded
 
 
