@@ -12,7 +12,8 @@ Every row generates the same prompts, greedy, exactly `new_tokens` each, one inv
   nnsight on HF, ...               the traced rows' nnsight code on nnsight's own LanguageModel
 
 Each row runs once untimed, then `repeats` rounds of every row in turn; a row's time is its best
-round (load on a shared machine only ever adds time). The cost per saved value is the time a saving
+round (load on a shared machine only ever adds time): wall time on a GPU, the process's CPU time on
+a CPU, where other jobs' load would swamp the wall clock. The cost per saved value is the time a saving
 row adds to the empty trace, divided by the values it saves: (request, module, step) triples.
 """
 
@@ -159,19 +160,24 @@ def workloads(
 
 
 def best_times(
-    rows: dict[str, Callable[[], object]], repeats: int, sync: Callable[[], None] = lambda: None
+    rows: dict[str, Callable[[], object]], repeats: int, sync: Callable[[], None] = lambda: None, cpu: bool = False
 ) -> dict[str, float]:
-    """Best seconds of each row over `repeats` rounds, every row once per round (after one untimed run each)."""
+    """Best seconds of each row over `repeats` rounds, every row once per round (after one untimed run each).
+
+    `cpu`: the process's CPU seconds (every thread's) instead of wall time: on a CPU shared with other
+    jobs, wall time mostly measures their load, while CPU time is the work this process did.
+    """
+    clock = time.process_time if cpu else time.perf_counter
     for run in rows.values():
         run()
     best = {name: math.inf for name in rows}
     for _ in range(repeats):
         for name, run in rows.items():
             sync()
-            start = time.perf_counter()
+            start = clock()
             run()
             sync()
-            best[name] = min(best[name], time.perf_counter() - start)
+            best[name] = min(best[name], clock() - start)
     return best
 
 

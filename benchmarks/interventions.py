@@ -334,10 +334,11 @@ def run_generation(args) -> None:
     print(
         f"model: Llama {config.num_hidden_layers} layers, hidden {config.hidden_size}, {params / 1e6:.1f}M params, "
         f"device {args.device}, torch threads {torch.get_num_threads()}; {args.gen_prompts} prompts of 16..48 tokens "
-        f"x {args.gen_tokens} new tokens, greedy, one invoke per prompt; best of {args.gen_repeats} rounds"
+        f"x {args.gen_tokens} new tokens, greedy, one invoke per prompt; best of {args.gen_repeats} rounds "
+        f"({'CPU' if args.device == 'cpu' else 'wall'} seconds)"
     )
     rows = generation_rows.workloads(ours, oracle, hf_model, setup, nnsight_all=args.nnsight_all)
-    seconds = generation_rows.best_times(rows, args.gen_repeats)
+    seconds = generation_rows.best_times(rows, args.gen_repeats, cpu=args.device == "cpu")
     generation_rows.print_report(generation_rows.report(seconds, setup), heading=None)
     ours.shutdown()
 

@@ -88,14 +88,19 @@ class NNsightGPUModelRunner(ModelRunner):
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         helper = self.nnsight_requests
         helper.process_new_reqs(forward_batch.reqs)
-        invocations = []
+        invocations, logit_spans = [], []
         if helper.has_requests:
-            invocations = helper.process_batch_groups(forward_batch, _logit_spans(forward_batch))
+            logit_spans = _logit_spans(forward_batch)
+            invocations = helper.process_batch_groups(forward_batch, logit_spans)
         if not invocations:
             helper.step_invocations, helper.is_watched = [], False
             return super().forward(forward_batch)
         self.interleaver.batcher.set_step(
-            forward_batch.num_tokens, int(forward_batch.logits_indices.numel()), forward_batch.batch_size
+            forward_batch.num_tokens,
+            int(forward_batch.logits_indices.numel()),
+            forward_batch.batch_size,
+            forward_batch.extend_seq_lens,
+            [length for _, length in logit_spans],
         )
         self.interleaver.mediators = []
         self._counts_before_step = dict(self.interleaver.counts)
