@@ -53,18 +53,27 @@ class NNsightRequestHelper:
         # Whether some block of this step may still read or write one of its values (`watches_step`): if
         # none does, the step runs as an untraced one (graph replay included), with no handoff at all.
         self.is_watched = False
+        self._grad_of_batch: tuple[ForwardBatch, bool] | None = None  # the last step's `needs_grad`
 
     @property
     def has_requests(self) -> bool:
         return bool(self.request_to_invocations)
 
     def needs_grad(self, forward_batch: ForwardBatch) -> bool:
-        """Whether a trace with a request in this step reads `.grad` or calls `.backward()`."""
-        return any(
+        """Whether a trace with a request in this step reads `.grad` or calls `.backward()` (asked several
+        times a step: worked out once per step)."""
+        if not self.request_to_invocations:
+            return False
+        known = self._grad_of_batch
+        if known is not None and known[0] is forward_batch:
+            return known[1]
+        needs = any(
             inv.job.needs_grad
             for req in forward_batch.reqs
             for inv in self.request_to_invocations.get(req.request_id, ())
         )
+        self._grad_of_batch = (forward_batch, needs)
+        return needs
 
     def wants_all_logits(self, req: Request) -> bool:
         """A traced prompt keeps the logits of every position, as HF's forward does."""
@@ -162,7 +171,8 @@ class NNsightRequestHelper:
     # ---- 4. requests whose block raised or stopped ------------------------------------------
     def end_step(self, forward_batch: ForwardBatch) -> None:
         """Copy saved values out of the step's tensors, fail requests whose block raised or stopped."""
-        if self.is_watched:  # (no block read anything of an unwatched step)
+        # No block read anything of an unwatched step, and a read served as its request's own copy pins nothing.
+        if self.is_watched and self.interleaver.batcher.has_served_views:
             unpin_saves(self.step_invocations)
         in_step: dict[str, Request] | None = None
         for invocation in self.step_invocations:
