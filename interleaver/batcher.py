@@ -189,7 +189,12 @@ class PackedBatcher(SkipSplicing, Batcher):
         layout = self.layout_of(self.location)
         if isinstance(value, torch.Tensor):  # the common case (a module's hidden states): no tree walk
             served = self._narrow_tensor(value, group, layout)
-            if served is not self._own_copy:
+            views = self._views
+            if views is not None and views[0] is value and len(group.rows) == 1:
+                # Split by this read: served as the request's own copy. Saved, it pins nothing of the step
+                # and needs no copy at its end; edited in place, the mediator writes it back (`write_back`).
+                served = self._own_copy = served.clone()  # [1, T, ...]
+            else:
                 self.has_served_views = True
             return served
         self.has_served_views = True
@@ -221,10 +226,7 @@ class PackedBatcher(SkipSplicing, Batcher):
         if group.is_single:
             views = self._request_views(tensor, layout)
             if views is not None:
-                # The request's own copy: saved, it pins nothing of the step and needs no copy at the end
-                # of it; edited in place, the mediator writes it back when the block moves on.
-                copy = self._own_copy = views[group.rows[0]].clone()  # [1, T, ...]
-                return copy
+                return views[group.rows[0]]
             start, length = group.spans(layout)[0]
             return _mark_for_grads(tensor.narrow(1, start, length))
         spans = group.spans(layout)
