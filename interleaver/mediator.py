@@ -106,9 +106,16 @@ class PackedMediator(Mediator):
                 try:
                     self.pending = self.switch(served)
                 finally:
-                    if _versions(served) != versions:  # an in-place edit bumps the version counter
+                    is_edited = _versions(served) != versions  # an in-place edit bumps the version counter
+                    if is_edited:
                         self.edited_at = provider
-                batcher.scatter_back(value, group, served)
+                if served is value:
+                    pass
+                elif batcher.is_own_copy(served):  # the request's own copy: its edits go back into the step
+                    if is_edited:
+                        batcher.write_back(value, group, served)
+                elif not group.is_single:
+                    batcher.scatter_back(value, group, served)
             elif pending.event is Event.SWAP:
                 try:
                     value = batcher.widen(value, group, pending.value)
@@ -163,8 +170,10 @@ class PackedMediator(Mediator):
             raise
 
 
-def _versions(value: Any) -> list[int]:
+def _versions(value: Any) -> int | list[int]:
     """The version counters of the tensors in a served value (views share their base's counter)."""
+    if type(value) is torch.Tensor:  # the common case (a module's hidden states): no tree walk
+        return value._version
     found: list[int] = []
     apply(value, lambda tensor: found.append(tensor._version), torch.Tensor)
     return found
@@ -225,3 +234,4 @@ class PackedInterleaver(Interleaver):
             return super().handle(provider, value)
         finally:
             batcher.location = previous
+            batcher.forget_views()
