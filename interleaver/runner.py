@@ -21,7 +21,7 @@ the interleaver stands down, modules run their plain forward, and a decode step 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -47,6 +47,8 @@ class RunnerModel(ServedValues, NNsight):
 class NNsightGPUModelRunner(ModelRunner):
     """A ModelRunner that serves nnsight interventions riding on its requests."""
 
+    captures_graph_pieces = True  # a watched decode step replays the decoder layers no block waits in
+
     def load_model(self) -> None:
         super().load_model()
         self._counts_before_step: dict[str, int] = {}
@@ -55,6 +57,7 @@ class NNsightGPUModelRunner(ModelRunner):
         self.interleaver = PackedInterleaver(batcher, fragments=self.value_fragments())
         self.nnsight_model = RunnerModel(self.model, interleaver=self.interleaver, envoys=self.envoy_classes())
         self.nnsight_requests = NNsightRequestHelper(self.interleaver)
+        self.watched_layers = WatchedLayers(self.interleaver)
 
     def value_fragments(self) -> Any:
         """nnsight's `Fragments` for a model whose values are split over processes (a tensor-parallel rank's)."""
@@ -165,6 +168,13 @@ class NNsightGPUModelRunner(ModelRunner):
         """A replayed graph would skip every intervention point: steps a block may touch run eagerly."""
         return not self.nnsight_requests.is_watched and super().can_use_cuda_graph(forward_batch)
 
+    def piece_gate(self, forward_batch: ForwardBatch) -> WatchedLayers | None:
+        """A watched decode step runs in decoder-layer pieces unless a block drills into `.source` or skips."""
+        interleaver = self.interleaver
+        if not self.nnsight_requests.is_watched or interleaver.sourced or interleaver.batcher.pending_skips:
+            return None
+        return self.watched_layers
+
     def _keep_trace_outputs(self, forward_batch: ForwardBatch, logits: torch.Tensor) -> None:
         """A traced prompt's logits, for its `tracer.result` (built only if a block waits for it)."""
         if all(invocation.job.kind != "trace" for invocation in self.nnsight_requests.step_invocations):
@@ -253,6 +263,46 @@ class NNsightGPUModelRunner(ModelRunner):
         helper.request_to_invocations.clear()
         helper.finish(live)
         super().shutdown()
+
+
+class WatchedLayers:
+    """The `PieceGate` of a watched step: a decoder layer replays unless a block waits on a location it visits.
+
+    Which locations a layer visits (every module's input, skip gate and output in it, or a module
+    outside it that it calls) is learned from its first eager run in a traced step, as the change it
+    made to the interleaver's visit counts; until then the layer runs eagerly. A replayed layer adds
+    that change itself, so a block's later reads count their visits as on HF (`tracer.iter[n]`). A
+    call made by a running block (a module called ad hoc) is always eager and counts nothing.
+    """
+
+    def __init__(self, interleaver: PackedInterleaver) -> None:
+        self.interleaver = interleaver
+        self.visits: dict[int, dict[str, int]] = {}  # layer index -> location -> visits in one call
+
+    def runs_eagerly(self, layer_index: int) -> bool:
+        visits = self.visits.get(layer_index)
+        interleaver = self.interleaver
+        if visits is None or interleaver.running_blocks.innermost() is not None:
+            return True
+        return not visits.keys().isdisjoint(interleaver.parked) or not visits.keys().isdisjoint(interleaver.observers)
+
+    def run_eagerly(self, layer_index: int, call: Callable[[], Any]) -> Any:
+        interleaver = self.interleaver
+        if layer_index in self.visits or not interleaver.busy or interleaver.running_blocks.innermost() is not None:
+            return call()
+        before = dict(interleaver.counts)
+        output = call()
+        self.visits[layer_index] = {
+            location: count - before.get(location, 0)
+            for location, count in interleaver.counts.items()
+            if count != before.get(location, 0)
+        }
+        return output
+
+    def replayed(self, layer_index: int) -> None:
+        counts = self.interleaver.counts
+        for location, visits in self.visits[layer_index].items():
+            counts[location] = counts.get(location, 0) + visits
 
 
 def _job_of(req: Request) -> Any:

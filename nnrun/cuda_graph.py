@@ -93,14 +93,14 @@ class DecodeGraphRunner:
         for batch_size in reversed(self.batch_sizes):
             # Planning copies page tables from the host: it runs before capture, never inside it.
             backend.init_forward_metadata_capture(batch_size, self.out_cache_loc[:batch_size])
-            self.replays[batch_size], self.logits[batch_size] = capturer.capture(self._forward_fn(batch_size))
+            self.replays[batch_size], self.logits[batch_size] = capturer.capture(self.forward_fn(batch_size))
         logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
 
     @property
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
-    def _forward_fn(self, batch_size: int) -> Callable[[], torch.Tensor]:
+    def forward_fn(self, batch_size: int) -> Callable[[], torch.Tensor]:
         """One decode forward over the static buffers' first `batch_size` rows (all padding at capture)."""
 
         def forward() -> torch.Tensor:
@@ -130,6 +130,15 @@ class DecodeGraphRunner:
 
         The returned rows are a view of the graph's output, rewritten by its next replay.
         """
+        graph_size = self.load_step(forward_batch)
+        self.replays[graph_size]()
+        return self.logits[graph_size][: forward_batch.batch_size]
+
+    def load_step(self, forward_batch: ForwardBatch) -> int:
+        """Copy the step into the static buffers and plan it into the graphs' page tables; its padded size.
+
+        Whatever graph replays next (the whole step's, or decoder-layer pieces) reads these buffers.
+        """
         batch_size = forward_batch.batch_size
         graph_size = self.padded_batch_size(batch_size)
         if graph_size is None:
@@ -142,5 +151,4 @@ class DecodeGraphRunner:
         self.positions[batch_size:graph_size].zero_()
         self.out_cache_loc[batch_size:graph_size].fill_(self.trash_slot)
         self.backend.init_forward_metadata_replay(graph_size, forward_batch, self.out_cache_loc[:graph_size])
-        self.replays[graph_size]()
-        return self.logits[graph_size][:batch_size]
+        return graph_size

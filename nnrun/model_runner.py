@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -28,6 +28,7 @@ from nnrun.forward_batch import (
     next_decode_forward_batch,
     packed_forward_batch,
 )
+from nnrun.graph_pieces import DecoderLayerPieces, PieceGate, capture_decoder_layer_pieces
 from nnrun.loader import load_model, max_context_len, packed_unfit_reason
 from nnrun.memory import hold_kv, release_kv
 from nnrun.model_probe import AttentionLayerInfo
@@ -55,6 +56,8 @@ class ModelRunner(KVPoolSetup):
     captures_on_ranks = False  # extraction hooks this process's modules (tensor-parallel runners: the ranks')
     gather_heads = None  # a tensor-parallel rank's all-gather of attention probabilities over the heads
 
+    captures_graph_pieces = False  # per-layer decode graphs for watched steps (a runner that has a `piece_gate`)
+
     attn_implementation: str = ATTN_IMPLEMENTATION  # the name the model's config keeps for its attention (load_model)
 
     state_pool: StatePool | None = None  # per-request recurrent state of mixer layers (nnrun/state), if any
@@ -67,6 +70,7 @@ class ModelRunner(KVPoolSetup):
         self.step_lock = threading.RLock()  # one forward at a time: engine steps and run_prefill_only
         self.eos_token_ids: set[int] = set()  # set by the engine; used for min_tokens
         self.graph_runner: DecodeGraphRunner | None = None  # decode CUDA graphs, once captured
+        self.graph_pieces: DecoderLayerPieces | None = None  # the same, one graph per decoder layer (graph_pieces)
         self.exact_forward: HFForward | None = None  # set when the model runs on the exact path (nnrun/exact)
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -153,6 +157,9 @@ class ModelRunner(KVPoolSetup):
         `capturer` stands in for CUDA's graph capture (the CPU tests pass a recording one).
         """
         self.graph_runner = None
+        if self.graph_pieces is not None:
+            self.graph_pieces.remove()
+            self.graph_pieces = None
         if not self.config.device.enable_cuda_graphs or self.exact_forward is not None or self.state_pool is not None:
             return  # a replay would not run the mixers' per-request Python (nnrun/state)
         if capturer is None:
@@ -169,6 +176,9 @@ class ModelRunner(KVPoolSetup):
             self.graph_runner = DecodeGraphRunner(
                 self.model, self.device, self.kv_pool.trash_slot, self.attn_backend, sizes, capturer
             )
+            # Decided once: pieces for a runner whose steps may be watched, on one process (not tensor-parallel ranks)
+            if self.captures_graph_pieces and self.config.parallel.tensor_parallel_size == 1:
+                self.graph_pieces = capture_decoder_layer_pieces(self.model, self.graph_runner, capturer)
 
     def can_use_cuda_graph(self, forward_batch: ForwardBatch) -> bool:
         """Whether this step may replay a captured graph: a decode step nothing watches.
@@ -196,6 +206,24 @@ class ModelRunner(KVPoolSetup):
             and self.attention_backend_for(forward_batch) is graphs.backend
         )
 
+    def _piece_gate(self, forward_batch: ForwardBatch) -> PieceGate | None:
+        """The gate of a decode step that runs in decoder-layer pieces, or None (the whole step eager)."""
+        pieces = self.graph_pieces
+        if (
+            pieces is None
+            or forward_batch.forward_mode is not ForwardMode.DECODE
+            or forward_batch.attention_probs_rows
+            or pieces.graphs.padded_batch_size(forward_batch.batch_size) is None
+            or self.attention_backend_for(forward_batch) is not pieces.graphs.backend
+            or self._has_module_hooks()
+        ):
+            return None
+        return self.piece_gate(forward_batch)
+
+    def piece_gate(self, forward_batch: ForwardBatch) -> PieceGate | None:
+        """A seam: which decoder layers of a watched decode step run eagerly (None: the whole step does)."""
+        return None
+
     def attention_backend_for(self, forward_batch: ForwardBatch) -> AttentionBackend:
         """The backend that serves this step; subclasses may pick the torch one (e.g. for autograd)."""
         return self.attn_backend
@@ -206,7 +234,7 @@ class ModelRunner(KVPoolSetup):
 
     def shutdown(self) -> None:
         """Free the pools; called on the engine thread as it ends (by `LLM.shutdown` if none ran)."""
-        self.graph_runner = None
+        self.graph_runner = self.graph_pieces = None
         self.kv_pool = None
         self.attn_backend = None
 
@@ -293,6 +321,11 @@ class ModelRunner(KVPoolSetup):
         self._ensure_paged_attention()
         if self._replays_graph(forward_batch):
             return self.graph_runner.replay(forward_batch)  # [B, V]: a decode step keeps every row
+        gate = self._piece_gate(forward_batch)
+        # Pieces read the graph buffers (planned first); the eager parts the step's ordinary plan.
+        pieces = (
+            nullcontext() if gate is None else self.graph_pieces.step(self.graph_runner.load_step(forward_batch), gate)
+        )
         backend = self.attention_backend_for(forward_batch)
         backend.init_forward_metadata(forward_batch)
         # None unless a request of the step asked for attention probabilities
@@ -305,6 +338,7 @@ class ModelRunner(KVPoolSetup):
             self.grad_context(forward_batch),
             serve_states(self.state_pool, forward_batch),
             serve_indexers(self.indexer_keys, forward_batch, self.device),
+            pieces,
         ):
             output = self.model(
                 input_ids=forward_batch.input_ids.to(self.device)[None],

@@ -1,0 +1,288 @@
+"""Decode CUDA graphs in pieces, one per decoder layer, for steps in which blocks watch some modules.
+
+A whole-step graph runs no Python, so a decode step that any block reads or writes used to run
+eagerly from end to end. Pieces keep the step's HF forward in Python (embeddings, rotary tables,
+final norm, lm_head: everything outside the decoder layers runs as usual) and send each decoder
+layer's call, as the forward reaches it, either to that layer's captured graph or to its ordinary
+call. The runner's `PieceGate` decides layer by layer: a layer in which some block waits now runs
+eagerly, with its hooks and nnsight's handoffs, so a block sees exactly the eager values; every
+other layer replays. The decision is taken when the forward reaches the layer, not once per step:
+a block served at layer 2 may next wait on layer 5, and layer 5 must then run eagerly.
+
+Capture (per padded batch size, after the whole-step graphs, with the same capturer and so the
+same memory pool): the model's own forward runs once over the whole-step graphs' static inputs,
+and each decoder layer's call is captured as it comes, on static copies of its arguments (hidden
+states, rotary tables, position ids). A replay copies the live arguments into those copies (the
+first `B` rows of the padded batch along the one dimension where they differ), replays, and hands
+back a fresh copy of the first `B` rows of the graph's outputs. Attention inside a piece reads the
+page tables `DecodeGraphRunner.load_step` planned into the graph buffers; eager layers of the same
+step read the step's ordinary plan.
+
+Memory: the static arguments and outputs are one set per batch size shared by every layer (the
+same shapes), so a piece costs the pool only its intermediates, which the next capture reuses.
+
+Routing: each decoder layer's class is swapped for a subclass of the same name whose `__call__`
+asks the router; the layer's `forward`, its hooks and anything installed on it (nnsight's
+controller) are untouched, and outside a pieces step the call is `nn.Module.__call__` itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import torch
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from nnrun.cuda_graph import DecodeGraphRunner, GraphCapturer
+
+logger = logging.getLogger(__name__)
+
+_ROUTER_ATTR = "_nnrun_graph_piece"  # on each decoder layer: (weakref to its DecoderLayerPieces, layer index)
+
+
+class PieceGate(Protocol):
+    """Who decides, as a pieces step reaches each decoder layer, whether the layer replays."""
+
+    def runs_eagerly(self, layer_index: int) -> bool:
+        """Whether the layer must run its eager call now (something may read or write inside it)."""
+        ...
+
+    def run_eagerly(self, layer_index: int, call: Callable[[], Any]) -> Any:
+        """Run the layer's eager call (`call()`); the gate may watch what it visits."""
+        ...
+
+    def replayed(self, layer_index: int) -> None:
+        """The layer replayed instead of running its eager call."""
+        ...
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The model's list of decoder layers: the first ModuleList as long as the text config's layer count."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    num_layers = getattr(config, "num_hidden_layers", None)
+    if not num_layers:
+        return None
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+            return module
+    return None
+
+
+@dataclass
+class _Piece:
+    """One decoder layer's captured call at one batch size."""
+
+    replay: Callable[[], None]
+    spec: TreeSpec  # of the call's (args, kwargs)
+    statics: list[torch.Tensor | None]  # per argument leaf: its static copy, None for a non-tensor leaf
+    constants: list[Any]  # per argument leaf: the non-tensor value it had at capture
+    out_spec: TreeSpec
+    out_statics: list[torch.Tensor | None]  # per output leaf: the static buffer the graph writes
+    out_constants: list[Any]
+
+
+@dataclass
+class _Step:
+    """A decode step running in pieces: its gate, padded size and the arguments loaded so far."""
+
+    gate: PieceGate
+    graph_size: int
+    loaded: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)  # id(static) -> (live, version)
+
+
+class DecoderLayerPieces:
+    """Per-layer decode graphs for `graphs`' batch sizes, and the routing of a step's layer calls."""
+
+    def __init__(self, model: torch.nn.Module, layers: torch.nn.ModuleList, graphs: DecodeGraphRunner) -> None:
+        self.model = model
+        self.layers = list(layers)
+        self.graphs = graphs
+        self.pieces: dict[int, dict[int, _Piece]] = {}  # batch size -> layer index -> piece
+        self._buffers: dict[int, dict[tuple, torch.Tensor]] = {}  # batch size -> key -> static shared by layers
+        self._capturing: tuple[int, GraphCapturer] | None = None
+        self._step: _Step | None = None
+        self._route()
+
+    # ---- routing --------------------------------------------------------------------------
+    def _route(self) -> None:
+        routed_classes: dict[type, type] = {}
+        me = weakref.ref(self)
+        for index, layer in enumerate(self.layers):
+            cls = type(layer)
+            if cls not in routed_classes:
+                routed_classes[cls] = type(
+                    cls.__name__,
+                    (cls,),
+                    {"__call__": _routed_call, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
+                )
+            layer.__class__ = routed_classes[cls]
+            object.__setattr__(layer, _ROUTER_ATTR, (me, index))
+
+    def remove(self) -> None:
+        """Give the layers back their own classes."""
+        for layer in self.layers:
+            layer.__dict__.pop(_ROUTER_ATTR, None)
+            if type(layer).__dict__.get("__call__") is _routed_call:
+                layer.__class__ = type(layer).__mro__[1]
+
+    def call(self, layer: torch.nn.Module, index: int, args: tuple, kwargs: dict) -> Any:
+        eager = super(type(layer), layer).__call__
+        if self._capturing is not None:
+            return self._capture_layer(eager, index, args, kwargs)
+        step = self._step
+        if step is None:
+            return eager(*args, **kwargs)
+        if not step.gate.runs_eagerly(index):
+            piece = self.pieces[step.graph_size].get(index)
+            outputs = None if piece is None else self._replay(piece, step, args, kwargs)
+            if outputs is not None:
+                step.gate.replayed(index)
+                return outputs
+        return step.gate.run_eagerly(index, lambda: eager(*args, **kwargs))
+
+    @contextmanager
+    def step(self, graph_size: int, gate: PieceGate) -> Iterator[None]:
+        """Route the decoder layers' calls during one decode step `graphs.load_step` has loaded."""
+        self._step = _Step(gate, graph_size)
+        try:
+            yield
+        finally:
+            self._step = None
+
+    # ---- replay ---------------------------------------------------------------------------
+    def _replay(self, piece: _Piece, step: _Step, args: tuple, kwargs: dict) -> Any | None:
+        """Load the live arguments, replay and return the outputs' live rows; None if the call does not fit."""
+        leaves, spec = tree_flatten((args, kwargs))
+        if spec != piece.spec:
+            return None
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        token_dim, num_rows = None, step.graph_size
+        for leaf, static, constant in zip(leaves, piece.statics, piece.constants):
+            if static is None:
+                if isinstance(leaf, torch.Tensor) or leaf is not constant and leaf != constant:
+                    return None
+                continue
+            if not isinstance(leaf, torch.Tensor) or leaf.dtype != static.dtype or leaf.dim() != static.dim():
+                return None
+            differing = [d for d, (a, b) in enumerate(zip(leaf.shape, static.shape)) if a != b]
+            if len(differing) > 1 or (differing and leaf.shape[differing[0]] > static.shape[differing[0]]):
+                return None
+            if differing:
+                if token_dim not in (None, differing[0]) or num_rows not in (step.graph_size, leaf.shape[differing[0]]):
+                    return None
+                token_dim, num_rows = differing[0], leaf.shape[differing[0]]
+            pairs.append((leaf, static))
+        for leaf, static in pairs:
+            previous = step.loaded.get(id(static))
+            if previous is not None and previous[0] is leaf and previous[1] == leaf._version:
+                continue  # the same tensor every layer gets (the rotary tables): loaded once a step
+            target = (
+                static if token_dim is None or leaf.shape == static.shape else static.narrow(token_dim, 0, num_rows)
+            )
+            target.copy_(leaf)
+            step.loaded[id(static)] = (leaf, leaf._version)
+        piece.replay()
+        outputs = []
+        for static, constant in zip(piece.out_statics, piece.out_constants):
+            if static is None:
+                outputs.append(constant)
+            elif token_dim is None:
+                outputs.append(static.clone())
+            elif static.dim() <= token_dim or static.shape[token_dim] != step.graph_size:
+                return None  # cannot tell the live rows apart (the layer already ran: it is not re-run)
+            else:
+                outputs.append(static.narrow(token_dim, 0, num_rows).clone())  # fresh: the next replay rewrites
+        return tree_unflatten(outputs, piece.out_spec)
+
+    # ---- capture --------------------------------------------------------------------------
+    def capture(self, capturer: GraphCapturer, batch_sizes: Sequence[int]) -> None:
+        """Capture every decoder layer for each batch size (largest first), running the model's own forward."""
+        backend, graphs = self.graphs.backend, self.graphs
+        for batch_size in sorted(batch_sizes, reverse=True):
+            self.pieces[batch_size] = {}
+            backend.init_forward_metadata_capture(batch_size, graphs.out_cache_loc[:batch_size])
+            self._capturing = (batch_size, capturer)
+            try:
+                graphs.forward_fn(batch_size)()
+            finally:
+                self._capturing = None
+            missing = len(self.layers) - len(self.pieces[batch_size])
+            if missing:
+                raise RuntimeError(f"{missing} decoder layers were not called by a decode forward")
+        logger.info("captured %d decoder-layer decode graphs per batch size %s", len(self.layers), list(batch_sizes))
+
+    def _capture_layer(self, eager: Callable, index: int, args: tuple, kwargs: dict) -> Any:
+        batch_size, capturer = self._capturing
+        if index in self.pieces[batch_size]:
+            raise RuntimeError(f"decoder layer {index} is called twice in one forward")
+        buffers = self._buffers.setdefault(batch_size, {})
+        leaves, spec = tree_flatten((args, kwargs))
+        statics = [
+            _shared_static(buffers, ("in", i), leaf) if isinstance(leaf, torch.Tensor) else None
+            for i, leaf in enumerate(leaves)
+        ]
+        constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+
+        def layer_call() -> Any:
+            values = [leaf if static is None else static for leaf, static in zip(leaves, statics)]
+            call_args, call_kwargs = tree_unflatten(values, spec)
+            return eager(*call_args, **call_kwargs)
+
+        with torch.no_grad():
+            out_leaves, out_spec = tree_flatten(layer_call())  # once, for the outputs' shapes
+            out_statics = [
+                _shared_static(buffers, ("out", i), leaf) if isinstance(leaf, torch.Tensor) else None
+                for i, leaf in enumerate(out_leaves)
+            ]
+
+        def piece() -> None:
+            for static, leaf in zip(out_statics, tree_flatten(layer_call())[0]):
+                if static is not None:
+                    static.copy_(leaf)
+
+        replay, _ = capturer.capture(piece)
+        out_constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves]
+        self.pieces[batch_size][index] = _Piece(replay, spec, statics, constants, out_spec, out_statics, out_constants)
+        return tree_unflatten([leaf if s is None else s for leaf, s in zip(out_leaves, out_statics)], out_spec)
+
+
+def _shared_static(buffers: dict[tuple, torch.Tensor], slot: tuple, value: torch.Tensor) -> torch.Tensor:
+    """The static buffer of this argument/output slot and shape (one for every layer), holding `value`."""
+    key = (*slot, tuple(value.shape), value.dtype)
+    static = buffers.get(key)
+    if static is None:
+        static = buffers[key] = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    if static is not value:
+        static.copy_(value)
+    return static
+
+
+def _routed_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A decoder layer's `__call__`: its captured piece or its own call, as its router says."""
+    router = self.__dict__.get(_ROUTER_ATTR)
+    pieces = None if router is None else router[0]()
+    if pieces is None:
+        return super(type(self), self).__call__(*args, **kwargs)
+    return pieces.call(self, router[1], args, kwargs)
+
+
+def capture_decoder_layer_pieces(
+    model: torch.nn.Module, graphs: DecodeGraphRunner, capturer: GraphCapturer
+) -> DecoderLayerPieces | None:
+    """Per-layer graphs next to `graphs`, or None (and the layers as they were) where they cannot be captured."""
+    layers = decoder_layers(model)
+    if layers is None:
+        logger.info("no decoder-layer graphs: no list of decoder layers found")
+        return None
+    pieces = DecoderLayerPieces(model, layers, graphs)
+    try:
+        pieces.capture(capturer, graphs.batch_sizes)
+    except Exception as error:  # a layer that cannot run in a graph: watched steps stay eager
+        pieces.remove()
+        logger.info("no decoder-layer graphs (%s: %s): watched decode steps run eagerly", type(error).__name__, error)
+        return None
+    return pieces

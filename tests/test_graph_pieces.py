@@ -1,0 +1,163 @@
+"""Decode graphs in decoder-layer pieces: a watched step replays every layer no block waits in.
+
+On CPU with the CUDA-graph stand-in (tests/fake_cuda_graph.py) and the FlashInfer emulator. The
+oracles: the all-eager step (nnrun with no graphs captured, the same kernels) and nnsight on HF.
+Each test also counts which layers replayed, so a pass cannot come from a step that ran eagerly.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+
+import nnrun
+from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer, twin
+from fake_flashinfer import make_fake_flashinfer
+from nnrun.graph_pieces import decoder_layers
+from test_cuda_graphs import capture_graphs, count_decode_steps
+from test_flashinfer_emulated import use_flashinfer
+
+P = "the eiffel tower is in the city of"
+Q = "hello world"
+NEW_TOKENS = 5
+NUM_LAYERS = 4
+
+
+@pytest.fixture
+def models(monkeypatch):
+    """nnsight on HF, nnrun all eager, and nnrun with whole-step and per-layer graphs; replays per layer."""
+    monkeypatch.setitem(sys.modules, "flashinfer", make_fake_flashinfer())
+    model = tiny_llama(seed=4, num_layers=NUM_LAYERS)
+    oracle = hf_language_model(twin(model), tiny_tokenizer())
+    eager = nnrun.LanguageModel(twin(model), tokenizer=tiny_tokenizer())
+    use_flashinfer(eager.engine)  # the same attention kernels, and no graphs
+    ours = nnrun.LanguageModel(model, tokenizer=tiny_tokenizer())
+    capturer = capture_graphs(ours.engine)
+    runner = ours.engine.runner
+    assert runner.graph_pieces is not None
+    replayed: Counter = Counter()
+    gate = runner.watched_layers
+    replayed_one = gate.replayed
+
+    def counting(layer_index: int) -> None:
+        replayed[layer_index] += 1
+        replayed_one(layer_index)
+
+    gate.replayed = counting
+    counts = count_decode_steps(ours.engine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield oracle, eager, ours, replayed, counts, capturer
+    ours.shutdown()
+    eager.shutdown()
+
+
+def save_layer_every_step(model, layer: int, prompts=(P, Q)) -> torch.Tensor:
+    """Layer `layer`'s output at every step of the first prompt's generation: `[steps, T_or_1, H]` rows."""
+    with model.generate(max_new_tokens=NEW_TOKENS) as tracer:
+        hidden = list().save()
+        with tracer.invoke(prompts[0]):
+            for _ in tracer.all():
+                hidden.append(model.model.layers[layer].output[0, -1])
+        for prompt in prompts[1:]:
+            with tracer.invoke(prompt):
+                pass
+        with tracer.invoke():
+            ids = tracer.result.save()
+    return torch.stack(list(hidden)), ids
+
+
+def test_pieces_and_eager_points_equal_the_all_eager_step(models):
+    """Layer 2 read every step: the other layers replay (after the first decode step, which learns the
+    layers' visits), and the reads, the tokens, equal the all-eager run bitwise and nnsight on HF's."""
+    oracle, eager, ours, replayed, counts, _ = models
+    hidden, ids = save_layer_every_step(ours, 2)
+    eager_hidden, eager_ids = save_layer_every_step(eager, 2)
+    oracle_hidden, oracle_ids = save_layer_every_step(oracle, 2)
+    assert hidden.shape[0] == NEW_TOKENS
+    assert torch.equal(hidden, eager_hidden) and torch.equal(ids, eager_ids)
+    torch.testing.assert_close(hidden, oracle_hidden, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ids.cpu(), oracle_ids.cpu())
+    decode_steps = NEW_TOKENS - 1
+    assert counts["eager"] == decode_steps  # no whole-step graph: a block watches these steps
+    assert replayed[2] == 0
+    assert all(replayed[layer] == decode_steps - 1 for layer in (0, 1, 3)), replayed
+
+
+def test_a_point_inside_a_layer_runs_that_layer_eagerly(models):
+    """A block on `layers.1.self_attn.o_proj.output` runs layer 1 eagerly; its value is HF's."""
+    oracle, _, ours, replayed, _, _ = models
+
+    def scenario(model):
+        with model.generate(P, max_new_tokens=NEW_TOKENS) as tracer:
+            values = list().save()
+            for _ in tracer.all():
+                values.append(model.model.layers[1].self_attn.o_proj.output[0, -1])
+        return torch.stack(list(values))
+
+    torch.testing.assert_close(scenario(ours), scenario(oracle), atol=1e-5, rtol=1e-5)
+    assert replayed[1] == 0 and replayed[0] == replayed[2] == replayed[3] == NEW_TOKENS - 2
+
+
+def test_steering_one_layer_replays_the_others_with_hfs_tokens(models):
+    oracle, _, ours, replayed, _, _ = models
+    vector = torch.linspace(-2.0, 2.0, 64)
+
+    def scenario(model):
+        with model.generate(max_new_tokens=NEW_TOKENS) as tracer:
+            with tracer.invoke(P):
+                for _ in tracer.all():
+                    model.model.layers[3].output[:] += vector
+            with tracer.invoke(Q):
+                pass
+            with tracer.invoke():
+                ids = tracer.result.save()
+        return ids
+
+    assert torch.equal(scenario(ours).cpu(), scenario(oracle).cpu())
+    assert replayed[3] == 0 and replayed[0] == NEW_TOKENS - 2
+
+
+def test_a_block_moving_on_to_a_later_layer_in_the_step_finds_it_eager(models):
+    """Layer 0 and then layer 3 each step: the gate decides at each layer, so both run eagerly."""
+    oracle, _, ours, replayed, _, _ = models
+
+    def scenario(model):
+        with model.generate(P, max_new_tokens=NEW_TOKENS) as tracer:
+            first, last = list().save(), list().save()
+            for _ in tracer.all():
+                first.append(model.model.layers[0].output[0, -1])
+                last.append(model.model.layers[3].output[0, -1])
+        return torch.stack(list(first)), torch.stack(list(last))
+
+    for ours_value, oracle_value in zip(scenario(ours), scenario(oracle)):
+        torch.testing.assert_close(ours_value, oracle_value, atol=1e-5, rtol=1e-5)
+    assert replayed[0] == replayed[3] == 0 and replayed[1] == replayed[2] == NEW_TOKENS - 2
+
+
+def test_replayed_layers_keep_the_visit_counts_a_later_read_relies_on(models):
+    """Layer 1 replays in the steps before the block asks for it; `tracer.iter[4]` is still the fifth forward."""
+    oracle, _, ours, replayed, _, _ = models
+
+    def scenario(model):
+        with model.generate(P, max_new_tokens=NEW_TOKENS) as tracer:
+            for _ in tracer.iter[2:3]:
+                early = model.model.layers[3].output.save()
+            for _ in tracer.iter[4:5]:
+                late = model.model.layers[1].output.save()
+        return early, late
+
+    for ours_value, oracle_value in zip(scenario(ours), scenario(oracle)):
+        torch.testing.assert_close(ours_value, oracle_value, atol=1e-5, rtol=1e-5)
+    assert replayed[1] >= 1  # it did replay before the read
+
+
+def test_a_steps_own_layer_calls_only_are_routed():
+    """Outside a pieces step a routed layer is its plain call; removing the routing restores the class."""
+    model = tiny_llama(seed=1, num_layers=2)
+    layers = decoder_layers(model)
+    assert layers is model.model.layers
