@@ -17,9 +17,10 @@ import torch
 import nnrun
 from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer, twin
 from fake_flashinfer import make_fake_flashinfer
+from model_zoo import make_twin, random_prompts
 from nnrun.graph_pieces import decoder_layers
-from test_cuda_graphs import capture_graphs, count_decode_steps
-from test_flashinfer_emulated import use_flashinfer
+from test_cuda_graphs import capture_graphs, count_decode_steps, fake, greedy_params  # noqa: F401 (fixture)
+from test_flashinfer_emulated import FAMILIES, make_sharp_model, use_flashinfer
 
 P = "the eiffel tower is in the city of"
 Q = "hello world"
@@ -156,8 +157,66 @@ def test_replayed_layers_keep_the_visit_counts_a_later_read_relies_on(models):
     assert replayed[1] >= 1  # it did replay before the read
 
 
-def test_a_steps_own_layer_calls_only_are_routed():
-    """Outside a pieces step a routed layer is its plain call; removing the routing restores the class."""
-    model = tiny_llama(seed=1, num_layers=2)
-    layers = decoder_layers(model)
-    assert layers is model.model.layers
+class EagerAt:
+    """A `PieceGate` that runs the given layers eagerly and replays the rest, counting replays."""
+
+    def __init__(self, eager_layers: set[int]) -> None:
+        self.eager_layers = eager_layers
+        self.replays: Counter = Counter()
+
+    def runs_eagerly(self, layer_index: int) -> bool:
+        return layer_index in self.eager_layers
+
+    def run_eagerly(self, layer_index: int, call):
+        return call()
+
+    def replayed(self, layer_index: int) -> None:
+        self.replays[layer_index] += 1
+
+
+def greedy_outputs(llm: nnrun.LLM, prompts, lengths):
+    outputs = llm.generate(prompts, [greedy_params(n) for n in lengths])
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pieces_equal_the_all_eager_step_as_the_batch_shrinks(fake, family):
+    """Batches of 5, 4, ... pad to the graphs of 8, 4, 2, 1 (stale rows from larger batches in the
+    shared static buffers); layer 1 eager and the others replayed give the all-eager run's tokens
+    and logprobs, on the same kernels."""
+    model = make_sharp_model(family)
+    prompts = random_prompts([3, 17, 9, 1, 12], seed=5)
+    lengths = [2, 7, 4, 6, 3]
+    with nnrun.LLM(make_twin(model), page_size=4) as eager:
+        use_flashinfer(eager)
+        expected = greedy_outputs(eager, prompts, lengths)
+    with nnrun.LLM(model, page_size=4) as llm:
+        runner = llm.runner
+        runner.captures_graph_pieces = True
+        capture_graphs(llm)
+        assert runner.graph_pieces is not None
+        gate = EagerAt({1})
+        runner.piece_gate = lambda forward_batch: gate
+        runner.can_use_cuda_graph = lambda forward_batch: False  # every decode step in pieces
+        got = greedy_outputs(llm, prompts, lengths)
+        llm.runner.allocator.check_no_leaks()
+    num_layers = len(decoder_layers(model))
+    assert gate.replays[1] == 0
+    assert all(gate.replays[layer] == max(lengths) - 1 for layer in range(num_layers) if layer != 1), gate.replays
+    for (tokens, logprobs), (expected_tokens, expected_logprobs) in zip(got, expected):
+        assert tokens == expected_tokens, family
+        for row, expected_row in zip(logprobs, expected_logprobs):
+            for token, value in expected_row.items():
+                assert abs(row[token] - value) < 1e-5, family  # float rounding: padded matmuls
+
+
+def test_routed_layers_keep_their_class_name_and_get_it_back(fake):
+    with nnrun.LLM(make_sharp_model("llama"), page_size=4) as llm:
+        runner = llm.runner
+        layer = decoder_layers(runner.model)[0]
+        cls = type(layer)
+        runner.captures_graph_pieces = True
+        capture_graphs(llm)
+        assert type(layer).__name__ == cls.__name__ and isinstance(layer, cls) and type(layer) is not cls
+        runner.graph_pieces.remove()
+        assert type(layer) is cls
