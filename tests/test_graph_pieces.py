@@ -220,3 +220,30 @@ def test_routed_layers_keep_their_class_name_and_get_it_back(fake):
         assert type(layer).__name__ == cls.__name__ and isinstance(layer, cls) and type(layer) is not cls
         runner.graph_pieces.remove()
         assert type(layer) is cls
+
+
+def test_a_source_read_every_step_runs_the_step_eagerly_with_hfs_values(models):
+    """`.source` drills into an op of a layer: no pieces while it is drilled, and HF's values."""
+    oracle, _, ours, replayed, _, _ = models
+
+    def scenario(model):
+        with model.generate(P, max_new_tokens=NEW_TOKENS) as tracer:
+            values = list().save()
+            for _ in tracer.all():
+                values.append(model.model.layers[2].self_attn.source.self_q_proj_0.output[0, -1])
+        return torch.stack(list(values))
+
+    torch.testing.assert_close(scenario(ours), scenario(oracle), atol=1e-5, rtol=1e-5)
+
+
+def test_a_cache_of_one_layer_keeps_that_layer_eager(models):
+    """`tracer.cache` observes layer 1 through the generation: layer 1 runs eagerly, the rest replay."""
+    oracle, _, ours, replayed, _, _ = models
+
+    def scenario(model):
+        with model.generate(P, max_new_tokens=NEW_TOKENS) as tracer:
+            cache = tracer.cache(modules=[model.model.layers[1]]).save()
+        return cache["model.model.layers.1"].output
+
+    torch.testing.assert_close(scenario(ours), scenario(oracle), atol=1e-5, rtol=1e-5)
+    assert replayed[1] == 0 and replayed[0] == NEW_TOKENS - 2
