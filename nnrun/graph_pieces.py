@@ -77,12 +77,23 @@ class _Piece:
     """One decoder layer's captured call at one batch size."""
 
     replay: Callable[[], None]
-    spec: TreeSpec  # of the call's (args, kwargs)
+    skeleton: tuple  # the call's (args, kwargs) nesting (`_flatten`)
     statics: list[torch.Tensor | None]  # per argument leaf: its static copy, None for a non-tensor leaf
     constants: list[Any]  # per argument leaf: the non-tensor value it had at capture
-    out_spec: TreeSpec
+    out_spec: TreeSpec | None  # None: the layer returns one tensor
     out_statics: list[torch.Tensor | None]  # per output leaf: the static buffer the graph writes
     out_constants: list[Any]
+    plans: dict[tuple, _Plan] = field(default_factory=dict)  # per live (shape, dtype) of the leaves
+
+
+@dataclass
+class _Plan:
+    """How a call with given leaf shapes loads into a piece: which static rows, and the outputs' rows."""
+
+    fits: bool
+    constants: list[tuple[int, Any]] = field(default_factory=list)  # (leaf index, its value at capture), non-tensors
+    loads: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (leaf index, the static rows it fills)
+    outputs: list[Any] = field(default_factory=list)  # per output leaf: the static rows, or the constant
 
 
 @dataclass
@@ -156,47 +167,29 @@ class DecoderLayerPieces:
     # ---- replay ---------------------------------------------------------------------------
     def _replay(self, piece: _Piece, step: _Step, args: tuple, kwargs: dict) -> Any | None:
         """Load the live arguments, replay and return the outputs' live rows; None if the call does not fit."""
-        leaves, spec = tree_flatten((args, kwargs))
-        if spec != piece.spec:
+        leaves, skeleton = _flatten(args, kwargs)
+        if skeleton != piece.skeleton:
             return None
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        token_dim, num_rows = None, step.graph_size
-        for leaf, static, constant in zip(leaves, piece.statics, piece.constants):
-            if static is None:
-                if isinstance(leaf, torch.Tensor) or leaf is not constant and leaf != constant:
-                    return None
-                continue
-            if not isinstance(leaf, torch.Tensor) or leaf.dtype != static.dtype or leaf.dim() != static.dim():
-                return None
-            differing = [d for d, (a, b) in enumerate(zip(leaf.shape, static.shape)) if a != b]
-            if len(differing) > 1 or (differing and leaf.shape[differing[0]] > static.shape[differing[0]]):
-                return None
-            if differing:
-                if token_dim not in (None, differing[0]) or num_rows not in (step.graph_size, leaf.shape[differing[0]]):
-                    return None
-                token_dim, num_rows = differing[0], leaf.shape[differing[0]]
-            pairs.append((leaf, static))
-        for leaf, static in pairs:
-            previous = step.loaded.get(id(static))
+        key = tuple((leaf.shape, leaf.dtype) if isinstance(leaf, torch.Tensor) else None for leaf in leaves)
+        plan = piece.plans.get(key)
+        if plan is None:
+            plan = piece.plans[key] = _plan_replay(piece, leaves, step.graph_size)
+        if not plan.fits or any(
+            leaves[index] is not constant and leaves[index] != constant for index, constant in plan.constants
+        ):
+            return None
+        loaded = step.loaded
+        for index, target in plan.loads:
+            leaf = leaves[index]
+            previous = loaded.get(id(target))
             if previous is not None and previous[0] is leaf and previous[1] == leaf._version:
                 continue  # the same tensor every layer gets (the rotary tables): loaded once a step
-            target = (
-                static if token_dim is None or leaf.shape == static.shape else static.narrow(token_dim, 0, num_rows)
-            )
             target.copy_(leaf)
-            step.loaded[id(static)] = (leaf, leaf._version)
+            loaded[id(target)] = (leaf, leaf._version)
         piece.replay()
-        outputs = []
-        for static, constant in zip(piece.out_statics, piece.out_constants):
-            if static is None:
-                outputs.append(constant)
-            elif token_dim is None:
-                outputs.append(static.clone())
-            elif static.dim() <= token_dim or static.shape[token_dim] != step.graph_size:
-                return None  # cannot tell the live rows apart (the layer already ran: it is not re-run)
-            else:
-                outputs.append(static.narrow(token_dim, 0, num_rows).clone())  # fresh: the next replay rewrites
-        return tree_unflatten(outputs, piece.out_spec)
+        # Fresh copies: the next layer's replay rewrites the shared buffers.
+        outputs = [value.clone() if isinstance(value, torch.Tensor) else value for value in plan.outputs]
+        return outputs[0] if piece.out_spec is None else tree_unflatten(outputs, piece.out_spec)
 
     # ---- capture --------------------------------------------------------------------------
     def capture(self, capturer: GraphCapturer, batch_sizes: Sequence[int]) -> None:
@@ -220,7 +213,7 @@ class DecoderLayerPieces:
         if index in self.pieces[batch_size]:
             raise RuntimeError(f"decoder layer {index} is called twice in one forward")
         buffers = self._buffers.setdefault(batch_size, {})
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, skeleton = _flatten(args, kwargs)
         statics = [
             _shared_static(buffers, ("in", i), leaf) if isinstance(leaf, torch.Tensor) else None
             for i, leaf in enumerate(leaves)
@@ -229,7 +222,7 @@ class DecoderLayerPieces:
 
         def layer_call() -> Any:
             values = [leaf if static is None else static for leaf, static in zip(leaves, statics)]
-            call_args, call_kwargs = tree_unflatten(values, spec)
+            call_args, call_kwargs = _unflatten(values, skeleton)
             return eager(*call_args, **call_kwargs)
 
         with torch.no_grad():
@@ -246,8 +239,76 @@ class DecoderLayerPieces:
 
         replay, _ = capturer.capture(piece)
         out_constants = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in out_leaves]
-        self.pieces[batch_size][index] = _Piece(replay, spec, statics, constants, out_spec, out_statics, out_constants)
+        self.pieces[batch_size][index] = _Piece(
+            replay, skeleton, statics, constants, None if out_spec.is_leaf() else out_spec, out_statics, out_constants
+        )
         return tree_unflatten([leaf if s is None else s for leaf, s in zip(out_leaves, out_statics)], out_spec)
+
+
+def _plan_replay(piece: _Piece, leaves: list[Any], graph_size: int) -> _Plan:
+    """Where each live leaf goes: the whole static, or its first rows along the one dimension that differs."""
+    token_dim, num_rows = None, graph_size
+    plan = _Plan(fits=False)
+    for index, (leaf, static, constant) in enumerate(zip(leaves, piece.statics, piece.constants)):
+        if static is None:
+            if isinstance(leaf, torch.Tensor):
+                return plan
+            plan.constants.append((index, constant))
+            continue
+        if not isinstance(leaf, torch.Tensor) or leaf.dtype != static.dtype or leaf.dim() != static.dim():
+            return plan
+        differing = [d for d, (a, b) in enumerate(zip(leaf.shape, static.shape)) if a != b]
+        if len(differing) > 1 or (differing and leaf.shape[differing[0]] > static.shape[differing[0]]):
+            return plan
+        if differing:
+            if token_dim not in (None, differing[0]) or num_rows not in (graph_size, leaf.shape[differing[0]]):
+                return plan
+            token_dim, num_rows = differing[0], leaf.shape[differing[0]]
+            plan.loads.append((index, static.narrow(token_dim, 0, num_rows)))
+        else:
+            plan.loads.append((index, static))
+    for static, constant in zip(piece.out_statics, piece.out_constants):
+        if static is None:
+            plan.outputs.append(constant)
+        elif token_dim is None:
+            plan.outputs.append(static)
+        elif static.dim() <= token_dim or static.shape[token_dim] != graph_size:
+            return plan  # cannot tell the live rows of this output apart
+        else:
+            plan.outputs.append(static.narrow(token_dim, 0, num_rows))
+    plan.fits = True
+    return plan
+
+
+def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
+    """A layer call's leaves (tuples and lists opened) and a hashable skeleton to rebuild it; cheaper than pytree."""
+    leaves: list[Any] = []
+
+    def skeleton_of(value: Any) -> Any:
+        if type(value) is tuple or type(value) is list:
+            return (type(value), tuple(skeleton_of(item) for item in value))
+        leaves.append(value)
+        return None
+
+    skeleton = (
+        tuple(skeleton_of(arg) for arg in args),
+        tuple((name, skeleton_of(value)) for name, value in kwargs.items()),
+    )
+    return leaves, skeleton
+
+
+def _unflatten(leaves: list[Any], skeleton: tuple) -> tuple[tuple, dict]:
+    """The (args, kwargs) `_flatten` took apart, with `leaves` in its leaves' places."""
+    remaining = iter(leaves)
+
+    def build(shape: Any) -> Any:
+        if shape is None:
+            return next(remaining)
+        kind, items = shape
+        return kind(build(item) for item in items)
+
+    args_shape, kwargs_shape = skeleton
+    return tuple(build(item) for item in args_shape), {name: build(item) for name, item in kwargs_shape}
 
 
 def _shared_static(buffers: dict[tuple, torch.Tensor], slot: tuple, value: torch.Tensor) -> torch.Tensor:
