@@ -281,14 +281,23 @@ class WatchedLayers:
 
     def runs_eagerly(self, layer_index: int) -> bool:
         visits = self.visits.get(layer_index)
-        interleaver = self.interleaver
-        if visits is None or interleaver.running_blocks.innermost() is not None:
+        if visits is None or self._is_unusual():
             return True
+        interleaver = self.interleaver
         return not visits.keys().isdisjoint(interleaver.parked) or not visits.keys().isdisjoint(interleaver.observers)
+
+    def _is_unusual(self) -> bool:
+        """A block's own call of a layer, or a `.source` or skip a block asked for in the middle of the step."""
+        interleaver = self.interleaver
+        return (
+            interleaver.running_blocks.innermost() is not None
+            or bool(interleaver.sourced)
+            or bool(interleaver.batcher.pending_skips)
+        )
 
     def run_eagerly(self, layer_index: int, call: Callable[[], Any]) -> Any:
         interleaver = self.interleaver
-        if layer_index in self.visits or not interleaver.busy or interleaver.running_blocks.innermost() is not None:
+        if layer_index in self.visits or not interleaver.busy or self._is_unusual():
             return call()
         before = dict(interleaver.counts)
         output = call()

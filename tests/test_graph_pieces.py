@@ -16,6 +16,7 @@ import torch
 
 import nnrun
 from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer, twin
+from fake_cuda_graph import HostSyncDuringCapture, RecordingCapturer
 from fake_flashinfer import make_fake_flashinfer
 from model_zoo import make_twin, random_prompts
 from nnrun.graph_pieces import decoder_layers
@@ -247,3 +248,29 @@ def test_a_cache_of_one_layer_keeps_that_layer_eager(models):
 
     torch.testing.assert_close(scenario(ours), scenario(oracle), atol=1e-5, rtol=1e-5)
     assert replayed[1] == 0 and replayed[0] == NEW_TOKENS - 2
+
+
+class FailingAfter(RecordingCapturer):
+    """A capturer whose captures fail after the first `limit` (a layer a GPU graph cannot hold)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def capture(self, fn):
+        if self.captures >= self.limit:
+            raise HostSyncDuringCapture("this layer reads a device value on the host")
+        return super().capture(fn)
+
+
+def test_a_model_whose_layers_cannot_be_captured_keeps_whole_step_graphs(fake):
+    """Decided once at init: no pieces, the layers' own classes back, the whole-step graphs kept."""
+    with nnrun.LLM(make_sharp_model("llama"), page_size=4) as llm:
+        runner = llm.runner
+        cls = type(decoder_layers(runner.model)[0])
+        use_flashinfer(llm)
+        runner.config.device.cuda_graph_batch_sizes = [1, 2]
+        runner.captures_graph_pieces = True
+        runner.init_cuda_graphs(capturer=FailingAfter(limit=3))  # the 2 whole-step graphs, then 1 piece
+        assert runner.graph_pieces is None and runner.graph_runner is not None
+        assert all(type(layer) is cls for layer in decoder_layers(runner.model))
