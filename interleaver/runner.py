@@ -16,6 +16,8 @@ interleaver serves the mediators the clients' traces hand over. One step:
 A step with no nnsight request takes the base runner's path: no handoff is armed. So does a step
 whose blocks have all finished or wait only for their trace's end (`NNsightRequestHelper.watch_step`):
 the interleaver stands down, modules run their plain forward, and a decode step replays its graph.
+A watched decode step runs in decoder-layer pieces (`nnrun.graph_pieces`): each layer in which no
+block waits replays its own graph, and `WatchedLayers` keeps the visit counts as if it had run.
 """
 
 from __future__ import annotations

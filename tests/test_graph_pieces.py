@@ -274,3 +274,18 @@ def test_a_model_whose_layers_cannot_be_captured_keeps_whole_step_graphs(fake):
         runner.init_cuda_graphs(capturer=FailingAfter(limit=3))  # the 2 whole-step graphs, then 1 piece
         assert runner.graph_pieces is None and runner.graph_runner is not None
         assert all(type(layer) is cls for layer in decoder_layers(runner.model))
+
+
+def test_skipping_a_layer_every_step_gives_hfs_tokens(models):
+    oracle, _, ours, _, _, _ = models
+
+    def scenario(model):
+        with model.generate(max_new_tokens=NEW_TOKENS) as tracer:
+            with tracer.invoke(P):
+                for _ in tracer.all():
+                    model.model.layers[2].skip(model.model.layers[1].output)
+            with tracer.invoke():
+                ids = tracer.result.save()
+        return ids
+
+    assert torch.equal(scenario(ours).cpu(), scenario(oracle).cpu())
