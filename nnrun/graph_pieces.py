@@ -92,7 +92,7 @@ class _Plan:
 
     fits: bool
     constants: list[tuple[int, Any]] = field(default_factory=list)  # (leaf index, its value at capture), non-tensors
-    loads: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (leaf index, the static rows it fills)
+    loads: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (leaf index, static, its rows)
     outputs: list[Any] = field(default_factory=list)  # per output leaf: the static rows, or the constant
 
 
@@ -179,13 +179,13 @@ class DecoderLayerPieces:
         ):
             return None
         loaded = step.loaded
-        for index, target in plan.loads:
+        for index, static, rows in plan.loads:
             leaf = leaves[index]
-            previous = loaded.get(id(target))
+            previous = loaded.get(id(static))
             if previous is not None and previous[0] is leaf and previous[1] == leaf._version:
                 continue  # the same tensor every layer gets (the rotary tables): loaded once a step
-            target.copy_(leaf)
-            loaded[id(target)] = (leaf, leaf._version)
+            rows.copy_(leaf)
+            loaded[id(static)] = (leaf, leaf._version)
         piece.replay()
         # Fresh copies: the next layer's replay rewrites the shared buffers.
         outputs = [value.clone() if isinstance(value, torch.Tensor) else value for value in plan.outputs]
@@ -264,9 +264,9 @@ def _plan_replay(piece: _Piece, leaves: list[Any], graph_size: int) -> _Plan:
             if token_dim not in (None, differing[0]) or num_rows not in (graph_size, leaf.shape[differing[0]]):
                 return plan
             token_dim, num_rows = differing[0], leaf.shape[differing[0]]
-            plan.loads.append((index, static.narrow(token_dim, 0, num_rows)))
+            plan.loads.append((index, static, static.narrow(token_dim, 0, num_rows)))
         else:
-            plan.loads.append((index, static))
+            plan.loads.append((index, static, static))
     for static, constant in zip(piece.out_statics, piece.out_constants):
         if static is None:
             plan.outputs.append(constant)
