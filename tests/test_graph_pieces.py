@@ -289,3 +289,31 @@ def test_skipping_a_layer_every_step_gives_hfs_tokens(models):
         return ids
 
     assert torch.equal(scenario(ours).cpu(), scenario(oracle).cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_pieces_equal_the_eager_step_on_flashinfer():
+    """On CUDA (FlashInfer, real graphs): layer 1 read every step, layer 0 replayed from its graph;
+    the reads and tokens equal an engine with no graphs on the same kernels."""
+    from test_gpu_flashinfer import gpu_model
+
+    model = gpu_model("llama", torch.bfloat16).to("cuda")
+    eager = nnrun.LanguageModel(twin(model), tokenizer=tiny_tokenizer(), device="cuda", enable_cuda_graphs=False)
+    ours = nnrun.LanguageModel(model, tokenizer=tiny_tokenizer(), device="cuda")
+    try:
+        runner = ours.engine.runner
+        assert runner.attn_backend.name == "flashinfer" and runner.graph_pieces is not None
+        replayed: Counter = Counter()
+        replayed_one = runner.watched_layers.replayed
+        runner.watched_layers.replayed = lambda i: (replayed.update([i]), replayed_one(i))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got_hidden, got_ids = save_layer_every_step(ours, 1, prompts=(P, Q, "a b c"))
+            want_hidden, want_ids = save_layer_every_step(eager, 1, prompts=(P, Q, "a b c"))
+        assert replayed[0] == NEW_TOKENS - 2 and replayed[1] == 0
+        assert torch.equal(got_ids.cpu(), want_ids.cpu())
+        torch.testing.assert_close(got_hidden.float(), want_hidden.float(), atol=2e-2, rtol=2e-2)
+    finally:
+        ours.shutdown()
+        eager.shutdown()
