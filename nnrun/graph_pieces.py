@@ -108,8 +108,7 @@ class _Step:
 class DecoderLayerPieces:
     """Per-layer decode graphs for `graphs`' batch sizes, and the routing of a step's layer calls."""
 
-    def __init__(self, model: torch.nn.Module, layers: torch.nn.ModuleList, graphs: DecodeGraphRunner) -> None:
-        self.model = model
+    def __init__(self, layers: torch.nn.ModuleList, graphs: DecodeGraphRunner) -> None:
         self.layers = list(layers)
         self.graphs = graphs
         self.pieces: dict[int, dict[int, _Piece]] = {}  # batch size -> layer index -> piece
@@ -339,7 +338,7 @@ def capture_decoder_layer_pieces(
     if layers is None:
         logger.info("no decoder-layer graphs: no list of decoder layers found")
         return None
-    pieces = DecoderLayerPieces(model, layers, graphs)
+    pieces = DecoderLayerPieces(layers, graphs)
     try:
         pieces.capture(capturer, graphs.batch_sizes)
     except Exception as error:  # a layer that cannot run in a graph: watched steps stay eager

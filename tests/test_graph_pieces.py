@@ -299,8 +299,10 @@ def test_cuda_pieces_equal_the_eager_step_on_flashinfer():
     from test_gpu_flashinfer import gpu_model
 
     model = gpu_model("llama", torch.bfloat16).to("cuda")
-    eager = nnrun.LanguageModel(twin(model), tokenizer=tiny_tokenizer(), device="cuda", enable_cuda_graphs=False)
-    ours = nnrun.LanguageModel(model, tokenizer=tiny_tokenizer(), device="cuda")
+    eager = nnrun.LanguageModel(
+        twin(model), tokenizer=tiny_tokenizer(), device="cuda", dtype=torch.bfloat16, enable_cuda_graphs=False
+    )
+    ours = nnrun.LanguageModel(model, tokenizer=tiny_tokenizer(), device="cuda", dtype=torch.bfloat16)
     try:
         runner = ours.engine.runner
         assert runner.attn_backend.name == "flashinfer" and runner.graph_pieces is not None
