@@ -234,6 +234,8 @@ class ModelRunner(KVPoolSetup):
 
     def shutdown(self) -> None:
         """Free the pools; called on the engine thread as it ends (by `LLM.shutdown` if none ran)."""
+        if self.graph_pieces is not None:
+            self.graph_pieces.remove()  # the caller's model gets its layers' own classes back
         self.graph_runner = self.graph_pieces = None
         self.kv_pool = None
         self.attn_backend = None
