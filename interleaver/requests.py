@@ -171,8 +171,7 @@ class NNsightRequestHelper:
     # ---- 4. requests whose block raised or stopped ------------------------------------------
     def end_step(self, forward_batch: ForwardBatch) -> None:
         """Copy saved values out of the step's tensors, fail requests whose block raised or stopped."""
-        # No block read anything of an unwatched step, and a read served as its request's own copy pins nothing.
-        if self.is_watched and self.interleaver.batcher.has_served_views:
+        if self.is_watched:  # (no block read anything of an unwatched step)
             unpin_saves(self.step_invocations)
         in_step: dict[str, Request] | None = None
         for invocation in self.step_invocations:
