@@ -33,11 +33,14 @@ class TorchAttnBackend(AttentionBackend):
 
     Extend steps batch requests of equal (prefix, length) shape into one call each (causal,
     bottom-right aligned), as HF's padded batch would for equal prompts; decode steps gather every
-    request's KV into one padded batch. Softmax runs in float32 when a softcap or attention sinks
-    or ALiBi slopes are present (as HF's eager path does); otherwise torch's SDPA kernel does the
-    work. Sliding windows, attention chunks, ALiBi biases and relative logits (Inkling's per-query
-    logits by distance) apply per request, at its own positions, and so do DSA sparse attention's
-    picks (`key_indices`): a query sees only the causal keys its indexer picked.
+    request's KV into one padded batch, its masks planned once per step for all layers. On CPU, a
+    decode layer with small heads and plain scores (`_has_plain_scores`) attends with heads packed
+    as keys, two batched matmuls in float32 (`_attend_heads_as_keys`). Elsewhere softmax runs in
+    float32 when a softcap or attention sinks or ALiBi slopes are present (as HF's eager path
+    does); otherwise torch's SDPA kernel does the work. Sliding windows, attention chunks, ALiBi
+    biases and relative logits (Inkling's per-query logits by distance) apply per request, at its
+    own positions, and so do DSA sparse attention's picks (`key_indices`): a query sees only the
+    causal keys its indexer picked.
     """
 
     name = "torch"
@@ -89,7 +92,7 @@ class TorchAttnBackend(AttentionBackend):
         )  # [B, L, Hkv, Dv]
         allowed = self._decode_mask(terms.sliding_window, terms.chunk_size, keys.shape[1])  # [B, 1, 1, L]
         if _has_plain_scores(terms) and _heads_fit_as_keys(q, keys):
-            mask = self._heads_as_keys_mask(terms, allowed, q.shape[1], keys.shape[2])  # [B, Hq, L * Hkv]
+            mask = self._step_heads_as_keys_mask(terms, allowed, q.shape[1], keys.shape[2])  # [B, Hq, L * Hkv]
             return _attend_heads_as_keys(q, keys, values, mask, terms.scaling, terms.softcap)
         return self._decode_any_terms(q, keys, values, allowed, terms)
 
@@ -125,7 +128,7 @@ class TorchAttnBackend(AttentionBackend):
         out = _eager_attend(q[:, None], keys, values, allowed[:, None], terms.scaling, softcap, sinks, bias)
         return out[:, 0]  # [B, 1, Hq, Dv] -> [B, Hq, Dv]
 
-    def _heads_as_keys_mask(self, terms: ScoreTerms, allowed, num_q_heads: int, num_kv_heads: int) -> torch.Tensor:
+    def _step_heads_as_keys_mask(self, terms: ScoreTerms, allowed, num_q_heads: int, num_kv_heads: int) -> torch.Tensor:
         """`_heads_as_keys_mask` of the step's `allowed`, built by the first layer of its kind that asks."""
         masks = self.metadata.heads_as_keys_masks
         key = (terms.sliding_window, terms.chunk_size, num_q_heads, num_kv_heads)
