@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -48,7 +49,8 @@ class TorchAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         out_cache_loc = forward_batch.out_cache_loc.to(self.device)
         if forward_batch.forward_mode is ForwardMode.DECODE:
-            seq_lens = torch.tensor(forward_batch.seq_lens, dtype=torch.int64)  # [B]
+            # [B]; through numpy, which reads a list of ints several times faster than torch.tensor
+            seq_lens = torch.from_numpy(np.array(forward_batch.seq_lens, dtype=np.int64))
             padded = padded_decode_slots(forward_batch, seq_lens, self.kv_pool.zero_slot)  # [B, max_len]
             self.metadata = _TorchMetadata(
                 out_cache_loc, ForwardMode.DECODE, [], padded.to(self.device), seq_lens.to(self.device)
