@@ -66,17 +66,15 @@ def host_copies(monkeypatch) -> list[torch.Size]:
     return shapes
 
 
-def generation_saves(model) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Every layer's output every step (a list), one named prompt value, one named last row, the ids."""
-    with model.generate(PROMPT, max_new_tokens=5) as tracer:
+def generation_saves(model) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Three layers' outputs every step (a list), and the last step's last row (a name bound again each step)."""
+    with model.generate(PROMPT, max_new_tokens=5, min_new_tokens=5) as tracer:
         outputs = list().save()
-        prompt_mlp = model.model.layers[2].mlp.output.save()
         for _ in tracer.all():
-            for layer in model.model.layers:
+            for layer in model.model.layers[:3]:
                 outputs.append(layer.output)
-        last_row = model.model.layers[3].output[:, -1].save()
-        ids = tracer.result.save()
-    return outputs, prompt_mlp, last_row, ids
+            last_row = model.model.layers[3].output[:, -1].save()
+    return outputs, last_row
 
 
 def test_values_moved_to_the_host_equal_those_kept_on_the_device_bitwise(roomy, spilling, host_copies):
@@ -93,15 +91,16 @@ def test_values_moved_to_the_host_equal_those_kept_on_the_device_bitwise(roomy, 
         spilled = generation_saves(spilling)
     finally:
         del budget.hold
-    assert not host_copies  # the roomy engine's saves all stay where they are
+    num_moved = len(host_copies)
     kept = generation_saves(roomy)
-    assert len(host_copies) >= len(spilled[0]) - 2  # all but what 2048 bytes hold went to the host
+    assert len(host_copies) == num_moved  # the roomy engine's saves all stay where they are
+    assert num_moved >= len(spilled[0]) - 2  # all but what 2048 bytes hold went to the host
     assert 0 < peak[0] <= DEVICE_BYTES
-    assert len(spilled[0]) == len(kept[0]) == 4 * 5
+    assert len(spilled[0]) == len(kept[0]) == 3 * 5
     for ours, reference in zip([*spilled[0], *spilled[1:]], [*kept[0], *kept[1:]]):
         assert ours.dtype == reference.dtype and ours.shape == reference.shape
         assert torch.equal(ours, reference)
-    assert spilled[2]._base is None  # the moved row is a compact copy, not a view pinning its step
+    assert spilled[1]._base is None  # the moved row is a compact copy, not a view pinning its step
     assert_nothing_counted(spilling)
     assert_nothing_counted(roomy)
 
@@ -154,7 +153,7 @@ def co_scheduled(model, callers: list, num_requests: int) -> list:
 
 
 def last_rows(model) -> list[torch.Tensor]:
-    with model.generate("Rome is in", max_new_tokens=4) as tracer:
+    with model.generate("Rome is in", max_new_tokens=4, min_new_tokens=4) as tracer:
         rows = list().save()
         for _ in tracer.all():
             rows.append(model.model.layers[0].output[:, -1])
@@ -164,7 +163,8 @@ def last_rows(model) -> list[torch.Tensor]:
 def test_a_trace_past_the_host_budget_fails_alone_and_names_the_budget(roomy, spilling):
     def greedy():
         with spilling.trace(PROMPT):
-            spilling.lm_head.output.save()  # [1, T, V] floats: more than both budgets
+            logits = spilling.lm_head.output.save()  # [1, T, V] floats: more than both budgets
+            assert logits is not None
 
     expected = last_rows(roomy)
     budget = ledger_of(spilling).budget
@@ -178,7 +178,8 @@ def test_a_trace_past_the_host_budget_fails_alone_and_names_the_budget(roomy, sp
     assert isinstance(greedy_error, SaveBudgetError), greedy_error
     assert "saved_values_host_bytes=4096" in str(greedy_error) and "Raise saved_values_host_bytes" in str(greedy_error)
     assert isinstance(rows, list) and len(rows) == len(expected) == 4
-    assert all(torch.equal(ours, theirs) for ours, theirs in zip(rows, expected))
+    for ours, theirs in zip(rows, expected):  # (batched with another prompt, a step's sums may round differently)
+        torch.testing.assert_close(ours, theirs)
     assert_nothing_counted(spilling)
     with spilling.trace(PROMPT):  # the engine goes on serving
         hidden = spilling.model.layers[0].output.save()
