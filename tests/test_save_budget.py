@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -253,3 +254,44 @@ def test_the_device_budget_for_saved_values_is_left_out_of_the_kv_pool():
     assert kv_budget_bytes(80 * GiB, 60 * GiB, 0.9, 4 * GiB, 4 * GiB) == 44 * GiB
     with pytest.raises(ValueError, match="saved_values_device_bytes"):
         kv_budget_bytes(80 * GiB, 60 * GiB, 0.9, 4 * GiB, 48 * GiB)
+
+
+def test_the_ledger_counts_what_a_step_appended_and_uncounts_what_died():
+    ledger = save_spill.SavedValueLedger(SaveBudget(max_device_bytes=64, max_host_bytes=1 << 20))
+    job = SimpleNamespace(invocations=[], client_saves=[[]])
+    saved = job.client_saves[0]
+    base = torch.arange(64, dtype=torch.float32).reshape(4, 16).clone()  # [4, 16]
+    saved.append(base[0])  # 64 bytes, a view: the device budget holds it as it is
+    saved.append(base[1:3])  # 128 bytes: past the device budget, a compact host copy
+    assert ledger.account([job]) == {}
+    assert saved[0]._base is base and saved[1]._base is None and torch.equal(saved[1], base[1:3])
+    assert (ledger.budget.device_bytes, ledger.budget.host_bytes) == (64, 128)
+    saved.append(base[3])  # only the new item is looked at
+    ledger.account([job])
+    assert (ledger.budget.device_bytes, ledger.budget.host_bytes) == (64, 192)
+    del saved[1:]  # the host values die: the next pass uncounts them
+    ledger.account([job])
+    assert (ledger.budget.device_bytes, ledger.budget.host_bytes) == (64, 0)
+    ledger.release(job)
+    assert (ledger.budget.device_bytes, ledger.budget.host_bytes, ledger.budget.num_traces) == (0, 0, 0)
+
+
+@pytest.mark.gpu
+def test_on_cuda_values_past_the_device_budget_are_pinned_host_copies_equal_to_device_ones():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    kwargs = {"device": "cuda", "dtype": torch.float32, "attention_backend": "torch"}
+    spilling = nnrun.LanguageModel("tiny-facts", saved_values_device_bytes=DEVICE_BYTES, **kwargs)
+    roomy = nnrun.LanguageModel("tiny-facts", **kwargs)
+    try:
+        spilled, kept = generation_saves(spilling), generation_saves(roomy)
+        moved = [value for value in spilled[0] if value.device.type == "cpu"]
+        assert len(moved) >= len(spilled[0]) - 2 and all(value.is_pinned() for value in moved)
+        assert all(value.device.type == "cuda" for value in kept[0])
+        for ours, reference in zip([*spilled[0], spilled[1]], [*kept[0], kept[1]]):
+            assert torch.equal(ours.cpu(), reference.cpu())
+        assert_nothing_counted(spilling)
+        assert ledger_of(roomy).budget.max_device_bytes == int(torch.cuda.get_device_properties(0).total_memory * 0.05)
+    finally:
+        spilling.shutdown()
+        roomy.shutdown()
