@@ -61,7 +61,6 @@ class PackedBatcher(SkipSplicing, Batcher):
         self.called_by: PackedGroup | None = None
         self._layouts: dict[str, Layout] = {}  # location -> its layout (`layout_of`)
         self.span_lens: dict[Layout, list[int]] | None = None  # per layout, each request's span length
-        self.has_served_views = True  # (see `set_step`)
         self.forget_views()
 
     def set_step(
@@ -79,24 +78,11 @@ class PackedBatcher(SkipSplicing, Batcher):
         self.num_tokens, self.num_logits, self.num_rows = num_tokens, num_logits, num_rows
         self.span_lens = None if token_lens is None else {Layout.TOKENS: token_lens, Layout.LOGITS: logit_lens}
         self.pending_skips = {}
-        # Whether a read of this step was served a view of (or a value shared by) the step's tensors:
-        # only then can a saved value pin the step (`saved_copies.unpin_saves`).
-        self.has_served_views = False
         self.forget_views()
 
     def forget_views(self) -> None:
         """End of a visit: the per-request views of its value (`_request_views`) go."""
         self._views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
-        self._own_copy: torch.Tensor | None = None
-
-    def is_own_copy(self, served: Any) -> bool:
-        """Whether `served` is the copy the last read made for its request (see `_narrow_token_first`)."""
-        return served is self._own_copy and served is not None
-
-    def write_back(self, full: torch.Tensor, group: PackedGroup, served: torch.Tensor) -> None:
-        """A request's own copy, edited in place by its block: its values go back into the step's tensor."""
-        start, length = group.spans(self.layout_of(self.location))[0]
-        full.narrow(1, start, length).copy_(served)
 
     def _request_views(self, tensor: torch.Tensor, layout: Layout) -> list[torch.Tensor] | None:
         """Every request's `[1, T_i, ...]` view of a token-first `[1, N, ...]` value, made by one split per visit.
@@ -109,7 +95,7 @@ class PackedBatcher(SkipSplicing, Batcher):
             return None
         views = self._views
         if views is None or views[0] is not tensor:
-            views = self._views = (tensor, tensor.split_with_sizes(self.span_lens[layout], dim=1))
+            views = self._views = (tensor, tensor.split(self.span_lens[layout], dim=1))
         return views[1]
 
     @property
@@ -180,27 +166,12 @@ class PackedBatcher(SkipSplicing, Batcher):
 
     def narrow(self, value: Any, group: Any) -> Any:
         if group is None:
-            self.has_served_views = True
             return value
         if self.called_by is not None:
-            self.has_served_views = True
             return self._narrow_called(value, group, self.called_by)
-        views = self._views
-        if views is not None and views[0] is value and len(group.rows) == 1:  # split already by this visit
-            copy = self._own_copy = views[1][group.rows[0]].clone()  # [1, T, ...]
-            return copy
         layout = self.layout_of(self.location)
         if isinstance(value, torch.Tensor):  # the common case (a module's hidden states): no tree walk
-            served = self._narrow_tensor(value, group, layout)
-            views = self._views
-            if views is not None and views[0] is value and len(group.rows) == 1:
-                # Split by this read: served as the request's own copy. Saved, it pins nothing of the step
-                # and needs no copy at its end; edited in place, the mediator writes it back (`write_back`).
-                served = self._own_copy = served.clone()  # [1, T, ...]
-            else:
-                self.has_served_views = True
-            return served
-        self.has_served_views = True
+            return self._narrow_tensor(value, group, layout)
         return apply(value, lambda leaf: self._narrow_leaf(leaf, group, layout), LEAF_TYPES)
 
     def _narrow_leaf(self, leaf: torch.Tensor | AttentionProbs, group: PackedGroup, layout: Layout) -> Any:

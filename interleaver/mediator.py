@@ -106,15 +106,9 @@ class PackedMediator(Mediator):
                 try:
                     self.pending = self.switch(served)
                 finally:
-                    is_edited = _versions(served) != versions  # an in-place edit bumps the version counter
-                    if is_edited:
+                    if _versions(served) != versions:  # an in-place edit bumps the version counter
                         self.edited_at = provider
-                if served is value:
-                    pass
-                elif batcher.is_own_copy(served):  # the request's own copy: its edits go back into the step
-                    if is_edited:
-                        batcher.write_back(value, group, served)
-                elif not group.is_single:
+                if served is not value and not group.is_single:
                     batcher.scatter_back(value, group, served)
             elif pending.event is Event.SWAP:
                 try:

@@ -33,9 +33,11 @@ from interleaver.generator import GENERATOR_OUTPUT, NOT_SERVED, serve_generated_
 from interleaver.jobs import Invocation, TraceJob, pad_sequences
 from interleaver.mediator import PackedInterleaver, PackedMediator, as_block_error
 from interleaver.nnsight_private import saved_value_ids, tracing_thread_state
+from interleaver.save_spill import SavedValueLedger
 from interleaver.saved_copies import unpin_block_saves, unpin_client_saves, unpin_saves
 from nnrun.forward_batch import ForwardBatch
 from nnrun.request import Request
+from nnrun.save_budget import SaveBudget
 
 RESULT_LOCATION = "result"
 # Where a block waits for its trace's end: `finish` serves these after the last step.
@@ -45,8 +47,10 @@ FINISH_LOCATIONS = frozenset({RESULT_LOCATION, GENERATOR_OUTPUT})
 class NNsightRequestHelper:
     """Request id -> invocations, batch groups per step, and finishing (engine thread only)."""
 
-    def __init__(self, interleaver: PackedInterleaver) -> None:
+    def __init__(self, interleaver: PackedInterleaver, saved_values: SavedValueLedger | None = None) -> None:
         self.interleaver = interleaver
+        # The running traces' saved values against the engine's budgets (unlimited unless the runner gives one).
+        self.saved_values = saved_values or SavedValueLedger(SaveBudget(1 << 62, 1 << 62))
         self.request_to_invocations: dict[str, list[Invocation]] = {}
         self.live: dict[Invocation, None] = {}  # known and not yet finished, in the order they became known
         self.step_invocations: list[Invocation] = []
@@ -94,6 +98,7 @@ class NNsightRequestHelper:
     # ---- 2. per-step groups ---------------------------------------------------------------
     def process_batch_groups(self, forward_batch: ForwardBatch, logit_spans: list[tuple[int, int]]) -> list[Invocation]:
         """Point each invocation at its requests' places in this step; return them in serving order."""
+        self.saved_values.wait_copies()  # the last step's host copies, before any block runs again
         row_of = {req.request_id: row for row, req in enumerate(forward_batch.reqs)}
         starts, lengths = forward_batch.extend_start_loc, forward_batch.extend_seq_lens
         scheduled = []
@@ -171,9 +176,10 @@ class NNsightRequestHelper:
     # ---- 4. requests whose block raised or stopped ------------------------------------------
     def end_step(self, forward_batch: ForwardBatch) -> None:
         """Copy saved values out of the step's tensors, fail requests whose block raised or stopped."""
-        # No block read anything of an unwatched step, and a read served as its request's own copy pins nothing.
-        if self.is_watched and self.interleaver.batcher.has_served_views:
+        if self.is_watched:  # (no block read anything of an unwatched step)
             unpin_saves(self.step_invocations)
+        if self.is_watched:
+            self._account_saves()
         in_step: dict[str, Request] | None = None
         for invocation in self.step_invocations:
             error = invocation.mediator.exception
@@ -188,6 +194,15 @@ class NNsightRequestHelper:
         self.step_invocations = []
         self.is_watched = False
         self.interleaver.mediators = []
+
+    def _account_saves(self) -> None:
+        """Count the step's new saved values (past the device budget they go to the host); a trace whose
+        values fit in neither budget fails alone."""
+        jobs = list({id(inv.job): inv.job for inv in self.step_invocations}.values())
+        for job, error in self.saved_values.account(jobs).items():
+            for invocation in job.invocations:
+                if invocation.mediator.exception is None:
+                    invocation.mediator.exception = error
 
     # ---- 5. finishing ---------------------------------------------------------------------
     def process_finished_reqs(self, reqs: list[Request]) -> list[Invocation]:
@@ -213,6 +228,7 @@ class NNsightRequestHelper:
 
     def finish(self, invocations: list[Invocation]) -> None:
         """Serve `result`, unwind, record saves; set `done` on jobs whose invocations all finished."""
+        self.saved_values.wait_copies()  # saved values moved to the host, before a block or the caller reads them
         memo: dict[int, Any] = {}  # one copy per saved view, whoever holds it
         padded_ids: dict[int, torch.Tensor] = {}  # per generation job, its ids padded to the trace (made once)
         for invocation in invocations:
@@ -227,6 +243,7 @@ class NNsightRequestHelper:
         for job in jobs:
             if all(inv.is_finished for inv in job.invocations):
                 job.results.clear()  # the step's logits, kept only to serve `tracer.result`
+                self.saved_values.release(job)
                 job.done.set()
         if not self.request_to_invocations and not self.live:
             saved_value_ids().clear()  # nothing in flight: no saved id can still matter

@@ -34,6 +34,7 @@ from interleaver.batcher import InvalidWriteError, PackedBatcher
 from interleaver.generator import serve_prompts, serve_step_tokens
 from interleaver.mediator import PackedInterleaver, ServedValues
 from interleaver.requests import NNsightRequestHelper
+from interleaver.save_spill import SavedValueLedger
 from nnrun.attention import AttentionBackend
 from nnrun.exact import family_of
 from nnrun.forward_batch import ForwardBatch
@@ -58,7 +59,9 @@ class NNsightGPUModelRunner(ModelRunner):
         batcher.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.interleaver = PackedInterleaver(batcher, fragments=self.value_fragments())
         self.nnsight_model = RunnerModel(self.model, interleaver=self.interleaver, envoys=self.envoy_classes())
-        self.nnsight_requests = NNsightRequestHelper(self.interleaver)
+        self.nnsight_requests = NNsightRequestHelper(
+            self.interleaver, SavedValueLedger.from_config(self.config.cache, self.device)
+        )
         self.watched_layers = WatchedLayers(self.interleaver)
 
     def value_fragments(self) -> Any:

@@ -65,6 +65,11 @@ class CacheConfig:
     num_pages: int | None = None  # None: sized from max_total_tokens or the device's free memory
     max_total_tokens: int | None = None  # KV capacity in tokens (rounded up to pages)
     gpu_memory_utilization: float = 0.9
+    # Device memory the values of running traces may hold (left out of the KV pool); saves beyond it go to
+    # host memory (pinned on CUDA). None: 5% of a CUDA card; on CPU, the host budget's size.
+    saved_values_device_bytes: int | None = None
+    # Host memory for saves beyond the device budget; a trace that needs more fails alone. None: half the RAM.
+    saved_values_host_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
@@ -75,6 +80,10 @@ class CacheConfig:
             raise ValueError(f"CacheConfig.max_total_tokens must be positive, got {self.max_total_tokens}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("saved_values_device_bytes", "saved_values_host_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ValueError(f"CacheConfig.{name} must be a number of bytes >= 0 or None, got {value!r}")
 
 
 @dataclass

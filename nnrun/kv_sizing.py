@@ -8,22 +8,28 @@ GiB = 1 << 30
 
 
 def kv_budget_bytes(
-    total_bytes: int, free_bytes: int, gpu_memory_utilization: float, activation_peak_bytes: int
+    total_bytes: int,
+    free_bytes: int,
+    gpu_memory_utilization: float,
+    activation_peak_bytes: int,
+    saved_values_bytes: int = 0,
 ) -> int:
     """Bytes for the KV pool, vLLM's meaning of `gpu_memory_utilization`: the share of the whole card
-    this engine may fill. What is already in use (weights, the CUDA context, other processes)
-    and the largest step's activations come out of that share; the rest of the card is headroom
+    this engine may fill. What is already in use (weights, the CUDA context, other processes),
+    the largest step's activations and the device budget for saved values (`saved_values_bytes`, which
+    running traces' saves may hold) come out of that share; the rest of the card is headroom
     for the attention workspace, the decode CUDA graphs and the allocator's fragmentation.
     """
     in_use = total_bytes - free_bytes
-    budget = int(total_bytes * gpu_memory_utilization) - in_use - activation_peak_bytes
+    budget = int(total_bytes * gpu_memory_utilization) - in_use - activation_peak_bytes - saved_values_bytes
     if budget <= 0:
         raise ValueError(
             f"gpu_memory_utilization={gpu_memory_utilization} allows {total_bytes * gpu_memory_utilization / GiB:.2f} "
             f"GiB of this {total_bytes / GiB:.2f} GiB GPU, but {in_use / GiB:.2f} GiB are in use already (weights, "
-            f"other processes) and the largest step needs {activation_peak_bytes / GiB:.2f} GiB of activations: no "
-            "room is left for the KV cache. Raise gpu_memory_utilization, lower max_num_batched_tokens, "
-            "max_num_seqs or max_model_len, or free the GPU."
+            f"other processes), the largest step needs {activation_peak_bytes / GiB:.2f} GiB of activations and "
+            f"saved values may hold {saved_values_bytes / GiB:.2f} GiB: no room is left for the KV cache. Raise "
+            "gpu_memory_utilization, lower max_num_batched_tokens, max_num_seqs, max_model_len or "
+            "saved_values_device_bytes, or free the GPU."
         )
     return budget
 

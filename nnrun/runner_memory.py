@@ -14,6 +14,7 @@ import torch
 from nnrun.forward_batch import ForwardMode
 from nnrun.kv_sizing import GiB, kv_budget_bytes, profile_prompt_lengths
 from nnrun.memory import KVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from nnrun.save_budget import saved_values_device_bytes
 from nnrun.state.placeholders import kv_shapes
 
 logger = logging.getLogger("nnrun.model_runner")
@@ -53,7 +54,8 @@ class KVPoolSetup:
             return CPU_KV_BUDGET_BYTES
         activation_peak = self.profile_activation_peak()
         free, total = torch.cuda.mem_get_info(self.device)
-        budget = kv_budget_bytes(total, free, self.config.cache.gpu_memory_utilization, activation_peak)
+        saved = saved_values_device_bytes(self.config.cache.saved_values_device_bytes, total)
+        budget = kv_budget_bytes(total, free, self.config.cache.gpu_memory_utilization, activation_peak, saved)
         logger.info(
             "KV cache budget %.2f GiB (GPU %.2f GiB, %.2f GiB free after loading, largest step %.2f GiB)",
             budget / GiB,
