@@ -111,6 +111,9 @@ class DeviceConfig:
     attention_backend: str = "auto"  # "auto", "torch" or "flashinfer"
     enable_cuda_graphs: bool = True  # decode steps with no hooks or interventions replay CUDA graphs
     cuda_graph_batch_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 32, ... up to max_num_seqs (256 at most)
+    # Decode steps that blocks watch replay per-layer graphs around the watched layers (`graph_pieces.py`).
+    # Opt-in until checked on a GPU: tested under the capture stand-in only; off, watched steps run eagerly.
+    cuda_graph_pieces: bool = False
     torch_dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:

@@ -177,7 +177,11 @@ class ModelRunner(KVPoolSetup):
                 self.model, self.device, self.kv_pool.trash_slot, self.attn_backend, sizes, capturer
             )
             # Decided once: pieces for a runner whose steps may be watched, on one process (not tensor-parallel ranks)
-            if self.captures_graph_pieces and self.config.parallel.tensor_parallel_size == 1:
+            if (
+                self.captures_graph_pieces
+                and self.config.device.cuda_graph_pieces
+                and self.config.parallel.tensor_parallel_size == 1
+            ):
                 self.graph_pieces = capture_decoder_layer_pieces(self.model, self.graph_runner, capturer)
 
     def can_use_cuda_graph(self, forward_batch: ForwardBatch) -> bool:

@@ -37,7 +37,7 @@ def models(monkeypatch):
     oracle = hf_language_model(twin(model), tiny_tokenizer())
     eager = nnrun.LanguageModel(twin(model), tokenizer=tiny_tokenizer())
     use_flashinfer(eager.engine)  # the same attention kernels, and no graphs
-    ours = nnrun.LanguageModel(model, tokenizer=tiny_tokenizer())
+    ours = nnrun.LanguageModel(model, tokenizer=tiny_tokenizer(), cuda_graph_pieces=True)
     capturer = capture_graphs(ours.engine)
     runner = ours.engine.runner
     assert runner.graph_pieces is not None
@@ -191,7 +191,7 @@ def test_pieces_equal_the_all_eager_step_as_the_batch_shrinks(fake, family):
     with nnrun.LLM(make_twin(model), page_size=4) as eager:
         use_flashinfer(eager)
         expected = greedy_outputs(eager, prompts, lengths)
-    with nnrun.LLM(model, page_size=4) as llm:
+    with nnrun.LLM(model, page_size=4, cuda_graph_pieces=True) as llm:
         runner = llm.runner
         runner.captures_graph_pieces = True
         capture_graphs(llm)
@@ -212,7 +212,7 @@ def test_pieces_equal_the_all_eager_step_as_the_batch_shrinks(fake, family):
 
 
 def test_routed_layers_keep_their_class_name_and_get_it_back(fake):
-    with nnrun.LLM(make_sharp_model("llama"), page_size=4) as llm:
+    with nnrun.LLM(make_sharp_model("llama"), page_size=4, cuda_graph_pieces=True) as llm:
         runner = llm.runner
         layer = decoder_layers(runner.model)[0]
         cls = type(layer)
@@ -265,7 +265,7 @@ class FailingAfter(RecordingCapturer):
 
 def test_a_model_whose_layers_cannot_be_captured_keeps_whole_step_graphs(fake):
     """Decided once at init: no pieces, the layers' own classes back, the whole-step graphs kept."""
-    with nnrun.LLM(make_sharp_model("llama"), page_size=4) as llm:
+    with nnrun.LLM(make_sharp_model("llama"), page_size=4, cuda_graph_pieces=True) as llm:
         runner = llm.runner
         cls = type(decoder_layers(runner.model)[0])
         use_flashinfer(llm)
@@ -302,7 +302,9 @@ def test_cuda_pieces_equal_the_eager_step_on_flashinfer():
     eager = nnrun.LanguageModel(
         twin(model), tokenizer=tiny_tokenizer(), device="cuda", dtype=torch.bfloat16, enable_cuda_graphs=False
     )
-    ours = nnrun.LanguageModel(model, tokenizer=tiny_tokenizer(), device="cuda", dtype=torch.bfloat16)
+    ours = nnrun.LanguageModel(
+        model, tokenizer=tiny_tokenizer(), device="cuda", dtype=torch.bfloat16, cuda_graph_pieces=True
+    )
     try:
         runner = ours.engine.runner
         assert runner.attn_backend.name == "flashinfer" and runner.graph_pieces is not None
