@@ -356,6 +356,7 @@ class LLM:
                 raise ValueError(f"request_id {(taken or ids)[0]!r} is already in use")
             for req, handle in zip(requests, handles):
                 req.arrival_order = next(self._arrivals)
+                req.is_streamed = stream
                 self._handles[req.request_id] = handle
             self._num_streams += len(requests) if stream else 0
             self._inbox.extend(requests)
