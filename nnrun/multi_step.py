@@ -31,10 +31,13 @@ from nnrun.request import Request
 
 # Default decode steps per scheduling decision. On CUDA a window keeps the GPU fed while the host
 # would otherwise schedule, sync and pythonize every step (vLLM's multi-step default is 8; 4 keeps
-# aborts and new arrivals waiting at most 3 steps). On CPU the forward itself blocks the host, so a
-# window saves only the scheduling and per-step bookkeeping: measured in benchmarks/step_overhead.py.
+# aborts and new arrivals waiting at most 3 steps). On CPU the forward blocks the host anyway, and
+# what a window saves (scheduling, ~0.05 ms a step) is within noise: benchmarks/step_overhead.py's
+# multi-step table gave the engine thread 1.16/1.17/1.16 ms a decode step at batch 1 and 3.82/3.83/
+# 3.78 ms at batch 256 for k = 1, 4, 8 on the tiny Llama. So one step per decision there, where a
+# window would only make aborts and arrivals wait; `num_scheduler_steps` turns windows on anywhere.
 DEFAULT_CUDA_SCHEDULER_STEPS = 4
-DEFAULT_CPU_SCHEDULER_STEPS = 2
+DEFAULT_CPU_SCHEDULER_STEPS = 1
 
 
 class WindowRunner(Protocol):

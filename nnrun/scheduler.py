@@ -165,17 +165,20 @@ class Scheduler:
         """
         page_size = self.allocator.page_size
         num_free_pages = self.allocator.num_free_pages
+        num_tokens = [len(req.prompt_token_ids) + len(req.output_token_ids) for req in reqs]
+        num_held = [len(req.page_ids) * page_size for req in reqs]  # tokens each request's pages hold
         while num_steps > 1:
-            # step j (0-based) writes the K/V of position num_tokens - 1 + j
-            num_missing = sum(
-                max(0, -(-(req.num_tokens + num_steps - 1) // page_size) - len(req.page_ids)) for req in reqs
-            )
+            # step j (0-based) writes the K/V of position num_tokens - 1 + j: num_tokens + num_steps - 1 slots in all
+            short = [
+                (req, n + num_steps - 1) for req, n, held in zip(reqs, num_tokens, num_held) if n + num_steps - 1 > held
+            ]
+            num_missing = sum(-(-end // page_size) - len(req.page_ids) for req, end in short)
             if num_missing <= num_free_pages:
                 break
             num_steps -= 1
         if num_steps > 1:
-            for req in reqs:
-                held = self._hold_kv(req, req.num_tokens + num_steps - 1)
+            for req, end in short:
+                held = self._hold_kv(req, end)
                 assert held, "the free pages were counted"
         return num_steps
 

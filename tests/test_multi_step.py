@@ -290,3 +290,49 @@ def test_num_scheduler_steps_is_validated():
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ValueError, match="num_scheduler_steps"):
             SchedulerConfig(num_scheduler_steps=bad)
+
+
+def test_a_traced_generation_steps_one_at_a_time_beside_windowed_requests():
+    """A trace's blocks see each of its steps, as nnsight on HF does, while plain requests decode in windows."""
+    import warnings
+
+    from conformance.compare import assert_same
+    from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer, twin
+
+    model, tokenizer = tiny_llama(seed=7), tiny_tokenizer()
+    oracle = hf_language_model(twin(model), tokenizer)
+    prompt = "the eiffel tower is in the city of"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = nnrun.LanguageModel(model, tokenizer=tokenizer, num_scheduler_steps=8)
+        engine = ours.engine
+        windows: list[list[Request]] = []
+        run_window = engine.core._run_window
+        engine.core._run_window = lambda reqs, num_steps: windows.append(list(reqs)) or run_window(reqs, num_steps)
+        greedy = P(max_tokens=200, temperature=0)
+        alone = engine.generate([prompt], greedy)[0].outputs[0].token_ids  # a plain request: windows
+        plain = engine.submit(prompt, greedy)
+        with oracle.generate(prompt, max_new_tokens=5) as tracer:
+            expected = list().save()
+            for _ in tracer.iter[:5]:
+                expected.append(oracle.lm_head.output[:, -1])
+        with ours.generate(prompt, max_new_tokens=5) as tracer:
+            actual = list().save()
+            for _ in tracer.iter[:5]:
+                actual.append(ours.logits)
+        assert_same(expected, actual)
+        assert plain.result(timeout=60).outputs[0].token_ids == alone
+        assert windows and all("nnsight" not in req.extra_args for reqs in windows for req in reqs)
+        ours.shutdown()
+
+
+def test_windows_default_to_four_steps_on_cuda_and_one_on_the_cpu():
+    """The CPU default is benchmarks/step_overhead.py's measurement: a window gains nothing there."""
+    from nnrun.config import EngineConfig
+    from nnrun.multi_step import max_scheduler_steps
+
+    assert max_scheduler_steps(EngineConfig.from_kwargs("tiny-facts")) == 1
+    assert max_scheduler_steps(EngineConfig.from_kwargs("tiny-facts", num_scheduler_steps=6)) == 6
+    config = EngineConfig.from_kwargs("tiny-facts")
+    config.device.device = "cuda:0"  # the device field as a CUDA engine's (no GPU needed to read the default)
+    assert max_scheduler_steps(config) == 4
