@@ -19,6 +19,7 @@ import torch
 import nnrun
 from nnrun.multi_step import decode_window_size
 from nnrun.request import FinishReason, Request
+from test_cuda_graphs import fake  # noqa: F401 (a fixture)
 from test_step_equivalence import TEXTS, check_against_replay, oracle, workload  # noqa: F401 (a fixture)
 
 P = nnrun.SamplingParams
@@ -336,3 +337,27 @@ def test_windows_default_to_four_steps_on_cuda_and_one_on_the_cpu():
     config = EngineConfig.from_kwargs("tiny-facts")
     config.device.device = "cuda:0"  # the device field as a CUDA engine's (no GPU needed to read the default)
     assert max_scheduler_steps(config) == 4
+
+
+def test_windows_replay_a_decode_graph_at_every_step_with_the_one_step_outputs(fake):
+    """Graphs under the recording stand-in for CUDA's capture: each step of a window replays, fed the last one's tokens."""
+    from model_zoo import random_prompts
+    from test_cuda_graphs import capture_graphs, count_decode_steps, greedy_params
+    from test_flashinfer_emulated import make_sharp_model
+
+    model = make_sharp_model("llama")
+    prompts = random_prompts([3, 17, 9, 1, 30, 12], seed=7)
+    params = [greedy_params(n) for n in [2, 9, 4, 7, 12, 5]]
+    runs = {}
+    for num_steps in (1, 4):
+        with nnrun.LLM(model, page_size=4, num_scheduler_steps=num_steps) as llm:
+            capturer = capture_graphs(llm)
+            counts = count_decode_steps(llm)
+            outputs = llm.generate(prompts, params)
+            llm.runner.allocator.check_no_leaks()
+            completions = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+            runs[num_steps] = completions, counts, capturer.replays, llm.core.scheduler.num_schedules
+    (one_step, one_counts, one_replays, one_schedules), (windowed, counts, replays, schedules) = runs[1], runs[4]
+    assert windowed == one_step  # tokens and logprobs, bitwise: no request stops early, the batches are the same
+    assert counts == one_counts and counts["eager"] == 0 and replays == one_replays == 11
+    assert schedules < one_schedules
