@@ -108,7 +108,7 @@ def no_early_stop_workload() -> list[P]:
         P(max_tokens=15, temperature=0.9, seed=13, ignore_eos=True, min_tokens=3),
         P(max_tokens=17, temperature=0, ignore_eos=True, logprobs=1),
         P(max_tokens=14, temperature=1.0, seed=21, ignore_eos=True),
-        P(max_tokens=40, temperature=0.9, seed=13, ignore_eos=True),
+        P(max_tokens=24, temperature=0.9, seed=13, ignore_eos=True),
     ]
 
 
