@@ -361,3 +361,42 @@ def test_windows_replay_a_decode_graph_at_every_step_with_the_one_step_outputs(f
     assert windowed == one_step  # tokens and logprobs, bitwise: no request stops early, the batches are the same
     assert counts == one_counts and counts["eager"] == 0 and replays == one_replays == 11
     assert schedules < one_schedules
+
+
+@pytest.mark.parametrize("num_steps", [1, 4])
+def test_a_row_that_cannot_be_sampled_inside_a_window_fails_its_request_at_that_step(num_steps):
+    """The sampler's row error at the 4th forward (3rd decode step): that request ends there, the others go on."""
+    outcomes = {}
+    for steps in (1, num_steps):
+        with nnrun.LLM("tiny-facts", num_scheduler_steps=steps) as llm:
+            sample, forwards = llm.runner.sample, []
+
+            def sample_with_a_bad_row(logits_output, forward_batch):
+                out = sample(logits_output, forward_batch)
+                forwards.append(1)
+                if len(forwards) == 4:
+                    out.row_errors = {0: "its logits hold NaN"}
+                return out
+
+            llm.runner.sample = sample_with_a_bad_row
+            with llm.paused():  # both prompts in the first step
+                handles = [llm.submit(text, P(max_tokens=10, temperature=0, ignore_eos=True)) for text in TEXTS[:2]]
+            with pytest.raises(ValueError, match="NaN"):
+                handles[0].result(timeout=60)
+            outcomes[steps] = [h.request.output_token_ids for h in handles], handles[1].result(timeout=60)
+            llm.runner.allocator.check_no_leaks()
+    (tokens, other), (one_step_tokens, one_step_other) = outcomes[num_steps], outcomes[1]
+    assert len(tokens[0]) == 3 and tokens == one_step_tokens  # the prefill's token and two decode steps kept
+    assert other.outputs[0].token_ids == one_step_other.outputs[0].token_ids and len(tokens[1]) == 10
+
+
+@pytest.mark.parametrize("max_model_len", [14, 17])
+def test_windows_stop_at_the_context_length_as_single_steps_do(max_model_len):
+    results = []
+    for num_steps in (1, 8):
+        with nnrun.LLM("tiny-facts", max_model_len=max_model_len, num_scheduler_steps=num_steps) as llm:
+            outputs = llm.generate(TEXTS[:3], P(max_tokens=None, temperature=0, ignore_eos=True))
+            results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs])
+            llm.runner.allocator.check_no_leaks()
+    assert results[0] == results[1]
+    assert all(reason == "length" for _, reason in results[1])
