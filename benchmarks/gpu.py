@@ -10,6 +10,13 @@ Shapes: `1b` (Llama-3.2-1B), `8b` (Llama-3-8B), `tiny` (a CPU smoke test). One m
   extract  M prompts of 16..--prompt-len tokens: `nnrun.extract` of the middle layer (shards on disk)
            vs HF padded batches + a forward hook copying each prompt's rows to the host (HF runs the
            whole model; extraction stops after the layer). Prompt tokens/s.
+  interventions  --gen-prompts prompts of 64..192 tokens x --gen-tokens greedy tokens, one invoke per
+           prompt (issue 35's rows, benchmarks/generation_rows.py): the engine alone, traces with
+           nothing inside / one layer / its last row / every layer saved every step / a steering
+           vector, HF `generate`, nnsight on HF. Seconds, ratio to the engine, nnsight on HF's time
+           over ours, microseconds per saved value. Only when named (`--only interventions`), and
+           last: it shuts the plain engine down and builds nnrun's LanguageModel over the same
+           weights (its engine is the "engine alone" row).
 
 The engine is given the HF module itself, so one copy of the weights serves both; HF baselines
 switch its attention to stock sdpa and back. Every contender first runs untimed on the same shapes
@@ -31,9 +38,11 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+import generation_rows
 import torch
 import transformers
 from common import decode_step_bytes, device_peaks, left_padded, prefill_flops, random_prompts, shape_config
@@ -42,15 +51,28 @@ from transformers import AutoModelForCausalLM
 import nnrun
 from nnrun.config import resolve_dtype
 
-SECTIONS = ("prefill", "decode", "extract")
+SECTIONS = ("prefill", "decode", "extract", "interventions")
+DEFAULT_SECTIONS = ("prefill", "decode", "extract")  # interventions replaces the engine: asked for by name
 GPU_DEFAULTS = {
     "batches": "1,16,64,256",
     "prompt_len": 512,
     "decode_prompt_len": 128,
     "new_tokens": 128,
     "extract_prompts": 10000,
+    "gen_prompts": 32,
+    "gen_tokens": 32,
+    "gen_prompt_lens": (64, 192),
 }
-CPU_DEFAULTS = {"batches": "1,4", "prompt_len": 64, "decode_prompt_len": 16, "new_tokens": 8, "extract_prompts": 64}
+CPU_DEFAULTS = {
+    "batches": "1,4",
+    "prompt_len": 64,
+    "decode_prompt_len": 16,
+    "new_tokens": 8,
+    "extract_prompts": 64,
+    "gen_prompts": 4,
+    "gen_tokens": 4,
+    "gen_prompt_lens": (8, 24),
+}
 TABLE_COLUMNS = {
     "prefill": ("batch", "prompt tok/s", "MFU"),
     "decode": ("batch", "decode tok/s", "MBU"),
@@ -208,6 +230,65 @@ def run_extract(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, fl
     return [result_row(len(prompts), sum(map(len, prompts)), seconds, hf_seconds, None)]
 
 
+def run_interventions(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, float] | None) -> list[dict]:
+    """Issue 35's rows on the engine's own weights: nnrun's LanguageModel replaces the plain engine."""
+    import nnsight
+
+    model = llm.model
+    llm.shutdown()  # its KV pool makes room for the LanguageModel's engine
+    gc.collect()
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()
+    config = model.config
+    tokenizer = generation_rows.word_tokenizer(config.vocab_size)
+    low, high = args.gen_prompt_lens
+    prompt_ids = random_prompts(args.gen_prompts, low, high, config.vocab_size, seed=35)
+    setup = generation_rows.GenerationSetup(
+        prompts=generation_rows.word_prompts(prompt_ids),
+        prompt_ids=prompt_ids,
+        new_tokens=args.gen_tokens,
+        layer=config.num_hidden_layers // 2,
+        num_layers=config.num_hidden_layers,
+        vector=torch.linspace(-0.5, 0.5, config.hidden_size, device=args.device, dtype=model.dtype),
+    )
+    ours = nnrun.LanguageModel(
+        model,
+        tokenizer=tokenizer,
+        device=str(args.device),
+        dtype=model.dtype,
+        max_num_seqs=max(args.gen_prompts, max(args.batches)),
+        max_num_batched_tokens=args.batch_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enable_cuda_graphs=args.cuda_graphs,
+        attention_backend=args.attention_backend,
+    )
+    # nnsight on HF wraps the same modules (each wrapper routes to its own trace); HF runs on stock sdpa.
+    oracle = None if args.skip_hf else nnsight.LanguageModel(model, tokenizer=tokenizer)
+    rows = generation_rows.workloads(ours, oracle, None if args.skip_hf else model, setup)
+    hf_rows = {name for name in rows if name.startswith(("HF", "nnsight on HF"))}
+    for name in hf_rows:
+        rows[name] = _on_stock_sdpa(model, rows[name])
+    sync = (lambda: torch.cuda.synchronize(args.device)) if args.device.type == "cuda" else (lambda: None)
+    graphs = getattr(ours.engine.runner, "graph_runner", None)
+    print(
+        f"interventions: {args.gen_prompts} prompts of {low}..{high} tokens x {args.gen_tokens} new tokens, greedy; "
+        f"decode graphs for batch sizes {graphs.batch_sizes if graphs else 'none'}; best of {args.repeats}"
+    )
+    with warnings.catch_warnings():  # nnsight warns that each open `tracer.all()` loop outran the generation
+        warnings.simplefilter("ignore")
+        seconds = generation_rows.best_times(rows, max(args.repeats, 1), sync=sync)
+    ours.shutdown()
+    return generation_rows.report(seconds, setup)
+
+
+def _on_stock_sdpa(model: torch.nn.Module, run: Callable[[], object]) -> Callable[[], object]:
+    def on_sdpa() -> object:
+        with stock_sdpa(model):
+            return run()
+
+    return on_sdpa
+
+
 def result_row(size: int, tokens: int, seconds: float, hf_seconds: float | None, utilization: float | None) -> dict:
     """One table row: nnrun and HF tokens/s over the same `tokens`, their ratio, nnrun's MFU or MBU."""
     row = {
@@ -225,6 +306,9 @@ def result_row(size: int, tokens: int, seconds: float, hf_seconds: float | None,
 
 
 def print_table(section: str, rows: list[dict]) -> None:
+    if section == "interventions":
+        generation_rows.print_report(rows, heading=section)
+        return
     size, unit, metric = TABLE_COLUMNS[section]
     header = [size, "tokens", f"nnrun {unit}", f"HF {unit}", "ratio"] + ([metric] if metric else [])
     print(f"\n## {section}\n\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
@@ -251,7 +335,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-prompt-len", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None, help="decode tokens per prompt (>= 2)")
     parser.add_argument("--extract-prompts", type=int, default=None)
-    parser.add_argument("--only", action="append", default=None, help="prefill, decode, extract (repeat or comma list)")
+    parser.add_argument(
+        "--only", action="append", default=None, help="prefill, decode, extract, interventions (repeat or comma list)"
+    )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--hf-max-batch", type=int, default=256, help="prompts per HF call in prefill and decode")
     parser.add_argument("--hf-extract-batch", type=int, default=32, help="prompts per HF padded batch in extract")
@@ -267,15 +353,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false")
     parser.add_argument("--repeats", type=int, default=1, help="timed calls per measurement; the best counts")
     parser.add_argument("--out", default=None, help="also write the results to this JSON file")
+    parser.add_argument("--gen-prompts", type=int, default=None, help="interventions: prompts (one invoke each)")
+    parser.add_argument("--gen-tokens", type=int, default=None, help="interventions: new tokens per prompt")
+    parser.set_defaults(gen_prompt_lens=None)  # interventions: (shortest, longest) prompt, from the defaults
     args = parser.parse_args()
     defaults = GPU_DEFAULTS if args.device.startswith("cuda") else CPU_DEFAULTS
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     args.batches = [int(b) for b in str(args.batches).split(",")]
-    args.only = [s for item in (args.only or SECTIONS) for s in item.split(",") if s]
+    args.only = [s for item in (args.only or DEFAULT_SECTIONS) for s in item.split(",") if s]
     if unknown := set(args.only) - set(SECTIONS):
         parser.error(f"--only takes {', '.join(SECTIONS)}; got {', '.join(sorted(unknown))}")
+    # interventions shuts the plain engine down: it runs last
+    args.only = sorted(args.only, key=lambda section: section == "interventions")
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2 (decode time is T(N) - T(1))")
     args.device = torch.device(args.device)
@@ -350,7 +441,7 @@ def main() -> None:
         f"peaks (FLOP/s, bytes/s): {peaks or 'n/a'}; engine built in {time.perf_counter() - start:.1f} s "
         "(KV sizing and graph capture run steps: FlashInfer may compile here)"
     )
-    runners = {"prefill": run_prefill, "decode": run_decode, "extract": run_extract}
+    runners = {"prefill": run_prefill, "decode": run_decode, "extract": run_extract, "interventions": run_interventions}
     for section in args.only:
         start = time.perf_counter()
         report["sections"][section] = runners[section](llm, args, peaks)

@@ -14,8 +14,15 @@ each saving a layer; greedy generation of 16 prompts x 32 new tokens against HF 
 small Llama and on a GPT-2-small shape (plain, and steered every step against nnsight+HF); steered
 generation of 16 mixed-length prompts (`tracer.all()` adding a vector); single traces at 8/64/512.
 
+`--only generation` prints issue 35's rows (benchmarks/generation_rows.py): a ~30M-parameter Llama,
+--gen-prompts prompts of 16..48 tokens x --gen-tokens new tokens, greedy: the engine alone, traces
+with nothing inside / one layer / its last row / every layer saved every step / a steering vector,
+HF `generate`, and nnsight on HF; seconds, ratios and the cost per saved value in µs.
+
 Usage: python benchmarks/interventions.py [--layers 4] [--hidden 256] [--threads 8] [--device cpu]
-       [--only targets|classic] [--reps 15] [--skip-gpt2]
+       [--only targets|classic|generation] [--reps 15] [--skip-gpt2]
+       python benchmarks/interventions.py --only generation [--gen-prompts 16] [--gen-tokens 32]
+       [--gen-layers 8] [--gen-hidden 512] [--gen-repeats 3] [--nnsight-all]
 """
 
 from __future__ import annotations
@@ -27,8 +34,9 @@ import threading
 import time
 import warnings
 
+import generation_rows
 import torch
-from common import interleaved_runs, left_padded
+from common import interleaved_runs, left_padded, llama_30m_config, random_prompts
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 WORDS = ["the", "tower", "is", "in", "city", "of", "paris", "rome", "a", "big", "old", "river"]
@@ -295,6 +303,46 @@ def check_same(name: str, expected: list, actual: list) -> None:
             torch.testing.assert_close(a.float(), e.float(), atol=1e-3, rtol=1e-3)
 
 
+def run_generation(args) -> None:
+    """Issue 35's rows on one ~30M Llama (`--gen-layers`/`--gen-hidden` shrink it for a quick run)."""
+    import nnsight
+
+    import nnrun
+
+    config = llama_30m_config()
+    config.num_hidden_layers = args.gen_layers or config.num_hidden_layers
+    if args.gen_hidden:
+        config.hidden_size, config.intermediate_size = args.gen_hidden, args.gen_hidden * 11 // 4
+    config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, None, None
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None
+    tokenizer = generation_rows.word_tokenizer(config.vocab_size)
+    prompt_ids = random_prompts(args.gen_prompts, 16, 48, config.vocab_size, seed=35)
+    setup = generation_rows.GenerationSetup(
+        prompts=generation_rows.word_prompts(prompt_ids),
+        prompt_ids=prompt_ids,
+        new_tokens=args.gen_tokens,
+        layer=config.num_hidden_layers // 2,
+        num_layers=config.num_hidden_layers,
+        vector=torch.linspace(-0.5, 0.5, config.hidden_size),
+    )
+    hf_model = copy.deepcopy(model).to(args.device)
+    oracle = nnsight.LanguageModel(hf_model, tokenizer=tokenizer)
+    ours = nnrun.LanguageModel(model, tokenizer=tokenizer, device=args.device)
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"model: Llama {config.num_hidden_layers} layers, hidden {config.hidden_size}, {params / 1e6:.1f}M params, "
+        f"device {args.device}, torch threads {torch.get_num_threads()}; {args.gen_prompts} prompts of 16..48 tokens "
+        f"x {args.gen_tokens} new tokens, greedy, one invoke per prompt; best of {args.gen_repeats} rounds "
+        f"({'CPU' if args.device == 'cpu' else 'wall'} seconds)"
+    )
+    rows = generation_rows.workloads(ours, oracle, hf_model, setup, nnsight_all=args.nnsight_all)
+    seconds = generation_rows.best_times(rows, args.gen_repeats, cpu=args.device == "cpu")
+    generation_rows.print_report(generation_rows.report(seconds, setup), heading=None)
+    ours.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -304,14 +352,22 @@ def main() -> None:
     parser.add_argument("--num-traces", type=int, default=64)
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--only", choices=["targets", "classic"], default=None)
+    parser.add_argument("--only", choices=["targets", "classic", "generation"], default=None)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--gen-tokens", type=int, default=32)
     parser.add_argument("--skip-gpt2", action="store_true")
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--gen-prompts", type=int, default=16)
+    parser.add_argument("--gen-layers", type=int, default=None, help="default: the 30M Llama's 8")
+    parser.add_argument("--gen-hidden", type=int, default=None, help="default: the 30M Llama's 512")
+    parser.add_argument("--gen-repeats", type=int, default=3)
+    parser.add_argument("--nnsight-all", action="store_true", help="nnsight on HF for every traced row")
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
     warnings.simplefilter("ignore")
+    if args.only == "generation":
+        run_generation(args)
+        return
 
     import nnsight
 

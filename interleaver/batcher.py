@@ -6,8 +6,11 @@ gives each mediator its places in the step's layouts every step (interleaver/lay
 a layout, a tensor whose leading dims are the packed ones (`[1, N]`, `[1, R]`, `[B]`) is sliced;
 anything else (a mask, a cache object, `logits_to_keep`) is not per-token and passes whole.
 
-A one-request group is served a view, so in-place edits land in the flat tensor, and the view is
-marked `_nnsight_batch` so `.grad` redirects to the tensor in the graph. A several-request group
+A one-request group reading a token-first tensor is served its request's own copy: the visit's
+first such read splits the flat tensor once by the step's spans (`_request_views`), and the mediator
+writes an in-place edit back when the block moves on (`write_back`), so a saved read pins nothing of
+the step. Under autograd, and for other values, it is served a view, so in-place edits land in the
+flat tensor, marked `_nnsight_batch` (under autograd) so `.grad` redirects to the tensor in the graph. A several-request group
 (a list invoke, an empty invoke) is served a gathered copy, left-padded as HF pads a batch
 (`[k, T_max, ...]`); `scatter_back` writes its real tokens back after the mediator moves on.
 Assignments (`widen`) never write into the flat tensor in place: the model continues from a new
@@ -56,10 +59,44 @@ class PackedBatcher(SkipSplicing, Batcher):
         # The group of the block that called a module itself (`hook=True`) while that call is served:
         # its values are laid out as that block was served, not as the packed step.
         self.called_by: PackedGroup | None = None
+        self._layouts: dict[str, Layout] = {}  # location -> its layout (`layout_of`)
+        self.span_lens: dict[Layout, list[int]] | None = None  # per layout, each request's span length
+        self.forget_views()
 
-    def set_step(self, num_tokens: int, num_logits: int, num_rows: int) -> None:
+    def set_step(
+        self,
+        num_tokens: int,
+        num_logits: int,
+        num_rows: int,
+        token_lens: list[int] | None = None,
+        logit_lens: list[int] | None = None,
+    ) -> None:
+        """The step's sizes; each request's number of tokens and of logit positions, in batch order, if known.
+
+        Without the lengths, every read is narrowed on its own (`_request_views` needs them).
+        """
         self.num_tokens, self.num_logits, self.num_rows = num_tokens, num_logits, num_rows
+        self.span_lens = None if token_lens is None else {Layout.TOKENS: token_lens, Layout.LOGITS: logit_lens}
         self.pending_skips = {}
+        self.forget_views()
+
+    def forget_views(self) -> None:
+        """End of a visit: the per-request views of its value (`_request_views`) go."""
+        self._views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+
+    def _request_views(self, tensor: torch.Tensor, layout: Layout) -> list[torch.Tensor] | None:
+        """Every request's `[1, T_i, ...]` view of a token-first `[1, N, ...]` value, made by one split per visit.
+
+        The first one-request read of a visit splits the value once; every other block waiting on it
+        takes its request's view by row. Only without autograd: with it, a view carries its own
+        gradient plumbing (`_mark_for_grads`).
+        """
+        if self.span_lens is None or torch.is_grad_enabled():
+            return None
+        views = self._views
+        if views is None or views[0] is not tensor:
+            views = self._views = (tensor, tensor.split(self.span_lens[layout], dim=1))
+        return views[1]
 
     @property
     def batching(self) -> bool:
@@ -67,7 +104,10 @@ class PackedBatcher(SkipSplicing, Batcher):
 
     # ---- layouts --------------------------------------------------------------------------
     def layout_of(self, location: str) -> Layout:
-        return layout_of(location, self.lm_head_prefix)
+        layout = self._layouts.get(location)
+        if layout is None:  # a location's layout never changes: worked out once
+            layout = self._layouts[location] = layout_of(location, self.lm_head_prefix)
+        return layout
 
     def _packed_dim(self, tensor: torch.Tensor, layout: Layout) -> int | None:
         """The dim that holds the step's tokens (0 for rows), or None for a value every request shares.
@@ -152,19 +192,18 @@ class PackedBatcher(SkipSplicing, Batcher):
     def _narrow_token_first(self, tensor: torch.Tensor, group: PackedGroup, layout: Layout) -> torch.Tensor:
         if layout is Layout.ROWS:
             if group.is_single:
-                view = tensor.narrow(0, group.rows[0], 1)
-                view._nnsight_batch = True
-                return view
+                return _mark_for_grads(tensor.narrow(0, group.rows[0], 1))
             view = _adjacent_rows_view(tensor, group.rows)
             if view is not None:
                 return view
             return tensor[torch.tensor(group.rows, device=tensor.device)]  # [k, ...] a copy
-        spans = group.spans(layout)
         if group.is_single:
-            start, length = spans[0]
-            view = tensor.narrow(1, start, length)
-            view._nnsight_batch = True
-            return view
+            views = self._request_views(tensor, layout)
+            if views is not None:
+                return views[group.rows[0]]
+            start, length = group.spans(layout)[0]
+            return _mark_for_grads(tensor.narrow(1, start, length))
+        spans = group.spans(layout)
         view = _adjacent_spans_view(tensor, spans)
         if view is not None:
             return view
@@ -284,6 +323,17 @@ _ADJACENT_VIEW = "_nnrun_adjacent_view"
 FLAT_TOKENS_DIM = 0  # what `_packed_dim` answers for a `[N, ...]` value in a token layout (rows use 0 too)
 
 
+def _mark_for_grads(view: torch.Tensor) -> torch.Tensor:
+    """A one-request view, marked `_nnsight_batch` so `.grad` redirects to the tensor in the graph.
+
+    Only in a step that runs with autograd: elsewhere no view has a gradient, and the mark (an
+    attribute, so a `__dict__` on the tensor) would cost every read.
+    """
+    if torch.is_grad_enabled():
+        view._nnsight_batch = True
+    return view
+
+
 def _narrow_flat(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
     """A group's rows of a flattened `[N, ...]` value, in request order: `[T, ...]`, or `[sum T_i, ...]` for several.
 
@@ -293,9 +343,7 @@ def _narrow_flat(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Te
     `scatter_back` writes back.
     """
     if len(spans) == 1:
-        view = tensor.narrow(0, *spans[0])
-        view._nnsight_batch = True
-        return view
+        return _mark_for_grads(tensor.narrow(0, *spans[0]))
     is_adjacent = all(
         start == prev_start + prev_length for (prev_start, prev_length), (start, _) in zip(spans, spans[1:])
     )

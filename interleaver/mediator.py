@@ -108,7 +108,8 @@ class PackedMediator(Mediator):
                 finally:
                     if _versions(served) != versions:  # an in-place edit bumps the version counter
                         self.edited_at = provider
-                batcher.scatter_back(value, group, served)
+                if served is not value and not group.is_single:
+                    batcher.scatter_back(value, group, served)
             elif pending.event is Event.SWAP:
                 try:
                     value = batcher.widen(value, group, pending.value)
@@ -163,8 +164,10 @@ class PackedMediator(Mediator):
             raise
 
 
-def _versions(value: Any) -> list[int]:
+def _versions(value: Any) -> int | list[int]:
     """The version counters of the tensors in a served value (views share their base's counter)."""
+    if type(value) is torch.Tensor:  # the common case (a module's hidden states): no tree walk
+        return value._version
     found: list[int] = []
     apply(value, lambda tensor: found.append(tensor._version), torch.Tensor)
     return found
@@ -225,3 +228,4 @@ class PackedInterleaver(Interleaver):
             return super().handle(provider, value)
         finally:
             batcher.location = previous
+            batcher.forget_views()

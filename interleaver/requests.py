@@ -29,7 +29,7 @@ from nnsight.intervention.interleaver import EarlyStopException, dangling_unwind
 from nnsight.tracing.tracer import inc
 
 from interleaver.batcher import PackedGroup
-from interleaver.generator import NOT_SERVED, serve_generated_ids
+from interleaver.generator import GENERATOR_OUTPUT, NOT_SERVED, serve_generated_ids
 from interleaver.jobs import Invocation, TraceJob, pad_sequences
 from interleaver.mediator import PackedInterleaver, PackedMediator, as_block_error
 from interleaver.nnsight_private import saved_value_ids, tracing_thread_state
@@ -38,6 +38,8 @@ from nnrun.forward_batch import ForwardBatch
 from nnrun.request import Request
 
 RESULT_LOCATION = "result"
+# Where a block waits for its trace's end: `finish` serves these after the last step.
+FINISH_LOCATIONS = frozenset({RESULT_LOCATION, GENERATOR_OUTPUT})
 
 
 class NNsightRequestHelper:
@@ -48,18 +50,30 @@ class NNsightRequestHelper:
         self.request_to_invocations: dict[str, list[Invocation]] = {}
         self.live: dict[Invocation, None] = {}  # known and not yet finished, in the order they became known
         self.step_invocations: list[Invocation] = []
+        # Whether some block of this step may still read or write one of its values (`watches_step`): if
+        # none does, the step runs as an untraced one (graph replay included), with no handoff at all.
+        self.is_watched = False
+        self._grad_of_batch: tuple[ForwardBatch, bool] | None = None  # the last step's `needs_grad`
 
     @property
     def has_requests(self) -> bool:
         return bool(self.request_to_invocations)
 
     def needs_grad(self, forward_batch: ForwardBatch) -> bool:
-        """Whether a trace with a request in this step reads `.grad` or calls `.backward()`."""
-        return any(
+        """Whether a trace with a request in this step reads `.grad` or calls `.backward()` (asked several
+        times a step: worked out once per step)."""
+        if not self.request_to_invocations:
+            return False
+        known = self._grad_of_batch
+        if known is not None and known[0] is forward_batch:
+            return known[1]
+        needs = any(
             inv.job.needs_grad
             for req in forward_batch.reqs
             for inv in self.request_to_invocations.get(req.request_id, ())
         )
+        self._grad_of_batch = (forward_batch, needs)
+        return needs
 
     def wants_all_logits(self, req: Request) -> bool:
         """A traced prompt keeps the logits of every position, as HF's forward does."""
@@ -96,6 +110,7 @@ class NNsightRequestHelper:
             scheduled.append(invocation)
         scheduled.sort(key=_serving_order)
         self.step_invocations = scheduled
+        self.is_watched = bool(scheduled)  # until `watch_step` has looked at the started blocks
         return scheduled
 
     # ---- 3. starting ----------------------------------------------------------------------
@@ -127,6 +142,21 @@ class NNsightRequestHelper:
         interleaver.mediators = [inv.mediator for inv in invocations if _is_serving(inv.mediator)]
         interleaver.reindex()
 
+    def watch_step(self) -> bool:
+        """After `start`: whether a block of the step may still touch it; if none, the interleaver stands down.
+
+        A block that finished, or waits only for its trace's end (`tracer.result`, the generated ids),
+        touches no step again. One parked anywhere else may: on a module, or on the step's sampling
+        (`model.logits`), after which it reads the next steps' modules by their visit counts, which
+        only a traced step keeps. With the interleaver standing down (no mediators, not busy), every
+        module runs its plain forward and a decode step may replay its graph.
+        """
+        self.is_watched = any(_watches_steps(inv.mediator) for inv in self.step_invocations)
+        if not self.is_watched:
+            self.interleaver.mediators = []
+            self.interleaver.reindex()
+        return self.is_watched
+
     def editors_in_step(self) -> list[Invocation]:
         """The step's invocations whose blocks changed a value of the forward."""
         return [inv for inv in self.step_invocations if inv.mediator.edited_at is not None]
@@ -141,7 +171,8 @@ class NNsightRequestHelper:
     # ---- 4. requests whose block raised or stopped ------------------------------------------
     def end_step(self, forward_batch: ForwardBatch) -> None:
         """Copy saved values out of the step's tensors, fail requests whose block raised or stopped."""
-        unpin_saves(self.step_invocations)
+        if self.is_watched:  # (no block read anything of an unwatched step)
+            unpin_saves(self.step_invocations)
         in_step: dict[str, Request] | None = None
         for invocation in self.step_invocations:
             error = invocation.mediator.exception
@@ -154,6 +185,7 @@ class NNsightRequestHelper:
                 if req is not None:
                     req.fail(error)
         self.step_invocations = []
+        self.is_watched = False
         self.interleaver.mediators = []
 
     # ---- 5. finishing ---------------------------------------------------------------------
@@ -263,6 +295,16 @@ class NNsightRequestHelper:
 def _serving_order(invocation: Invocation) -> tuple[int, int]:
     """Trace submission order, then invoke order (a trace's stored edits first)."""
     return invocation.job.seq, invocation.index
+
+
+def _watches_steps(mediator: PackedMediator) -> bool:
+    """A block observing the run (`tracer.cache()`), or parked anywhere but its trace's end (see `watch_step`)."""
+    if mediator.caches:
+        return True
+    if not mediator.alive:
+        return False
+    pending = mediator.pending
+    return pending is None or pending.provider not in FINISH_LOCATIONS
 
 
 def _is_serving(mediator: PackedMediator) -> bool:

@@ -13,7 +13,9 @@ interleaver serves the mediators the clients' traces hand over. One step:
 4. `finish_requests` -> `finish_nnsight`: finished requests' mediators are finalized and their
    saves recorded; the client thread waiting on the trace picks them up.
 
-A step with no nnsight request takes the base runner's path: no handoff is armed.
+A step with no nnsight request takes the base runner's path: no handoff is armed. So does a step
+whose blocks have all finished or wait only for their trace's end (`NNsightRequestHelper.watch_step`):
+the interleaver stands down, modules run their plain forward, and a decode step replays its graph.
 """
 
 from __future__ import annotations
@@ -90,14 +92,19 @@ class NNsightGPUModelRunner(ModelRunner):
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         helper = self.nnsight_requests
         helper.process_new_reqs(forward_batch.reqs)
-        invocations = []
+        invocations, logit_spans = [], []
         if helper.has_requests:
-            invocations = helper.process_batch_groups(forward_batch, _logit_spans(forward_batch))
+            logit_spans = _logit_spans(forward_batch)
+            invocations = helper.process_batch_groups(forward_batch, logit_spans)
         if not invocations:
-            helper.step_invocations = []
+            helper.step_invocations, helper.is_watched = [], False
             return super().forward(forward_batch)
         self.interleaver.batcher.set_step(
-            forward_batch.num_tokens, int(forward_batch.logits_indices.numel()), forward_batch.batch_size
+            forward_batch.num_tokens,
+            int(forward_batch.logits_indices.numel()),
+            forward_batch.batch_size,
+            forward_batch.extend_seq_lens,
+            [length for _, length in logit_spans],
         )
         self.interleaver.mediators = []
         self._counts_before_step = dict(self.interleaver.counts)
@@ -105,6 +112,7 @@ class NNsightGPUModelRunner(ModelRunner):
             helper.start(invocations)
             if serve_prompts(invocations):  # HF's streamer has the prompt ids before the first forward
                 helper.keep_running()
+            helper.watch_step()  # no block touches the step: it runs as an untraced one (graphs included)
             logits = self.run_model(forward_batch)  # [R, V]
         self._keep_trace_outputs(forward_batch, logits)
         return self.process_logits(logits, forward_batch)
@@ -158,8 +166,8 @@ class NNsightGPUModelRunner(ModelRunner):
         return super().attention_backend_for(forward_batch)
 
     def can_use_cuda_graph(self, forward_batch: ForwardBatch) -> bool:
-        """A replayed graph would skip every intervention point: steps with traced requests run eagerly."""
-        return not self.nnsight_requests.step_invocations and super().can_use_cuda_graph(forward_batch)
+        """A replayed graph would skip every intervention point: steps a block may touch run eagerly."""
+        return not self.nnsight_requests.is_watched and super().can_use_cuda_graph(forward_batch)
 
     def _keep_trace_outputs(self, forward_batch: ForwardBatch, logits: torch.Tensor) -> None:
         """A traced prompt's logits, for its `tracer.result` (built only if a block waits for it)."""
@@ -177,6 +185,10 @@ class NNsightGPUModelRunner(ModelRunner):
         helper = self.nnsight_requests
         if not helper.step_invocations:
             return super().sample(logits_output, forward_batch)
+        if not helper.is_watched:  # as an untraced step; only blocks that raised at their start end their requests
+            sampler_output = super().sample(logits_output, forward_batch)
+            helper.end_step(forward_batch)
+            return sampler_output
         model = self.nnsight_model
         interleaver = self.interleaver
         if helper.keep_running():  # (each `keep_running` reindexes the workers the next visit serves)

@@ -70,7 +70,7 @@ def _unpin(value: Any, memo: dict[int, Any]) -> Any:
         if result is not value:
             carry_grad(value, result)
     elif isinstance(value, list):
-        value[:] = [_unpin(item, memo) for item in value]
+        _unpin_items(value, memo)
         result = value
     elif isinstance(value, dict):
         for name in list(value):
@@ -83,3 +83,18 @@ def _unpin(value: Any, memo: dict[int, Any]) -> Any:
         result = value
     memo[key] = result
     return result
+
+
+def _unpin_items(items: list, memo: dict[int, Any]) -> None:
+    """`_unpin` each item of a list in place.
+
+    A list a trace saves grows every step (`saved.append(layer.output)` under `tracer.all()`) and is
+    walked every step, so a tensor that owns its memory (a copy made at an earlier step) is passed
+    over here at the cost of two attribute reads rather than a call.
+    """
+    for index, item in enumerate(items):
+        if type(item) is torch.Tensor and item._base is None:
+            continue
+        unpinned = _unpin(item, memo)
+        if unpinned is not item:
+            items[index] = unpinned

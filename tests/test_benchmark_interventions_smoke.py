@@ -1,0 +1,82 @@
+"""benchmarks/gpu.py's `interventions` section and benchmarks/interventions.py's generation rows, tiny runs on CPU."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+ROWS = [
+    "engine.generate",
+    "traced, nothing inside",
+    "one layer saved every step",
+    "last row of one layer saved every step",
+    "all layers saved every step",
+    "steering vector every step",
+    "HF generate",
+    "nnsight on HF, traced, nothing inside",
+    "nnsight on HF, one layer saved every step",
+    "nnsight on HF, steering vector every step",
+]
+TIMEOUT_S = 180
+
+
+def table_rows(output: str) -> dict[str, list[str]]:
+    """Workload -> its cells, from the markdown table the benchmark prints."""
+    rows = {}
+    for line in output.splitlines():
+        if line.startswith("| ") and not line.startswith(("| workload", "|---")):
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def run(script: str, *args: str, cwd: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS_DIR / script), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def check_rows(rows: dict[str, list[str]]) -> None:
+    assert list(rows) == ROWS
+    for name, (seconds, vs_engine, vs_nnsight, per_value) in rows.items():
+        assert float(seconds) > 0 and float(vs_engine.removesuffix("x")) > 0, name
+        assert (vs_nnsight != "-") == (name in ROWS[1:6] and f"nnsight on HF, {name}" in rows), name
+        assert (per_value != "-") == ("saved" in name and not name.startswith("nnsight")), name
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_interventions_section_on_cpu(tmp_path):
+    output = run(
+        "gpu.py", "--shape", "tiny", "--device", "cpu", "--only", "interventions", "--repeats", "1", cwd=tmp_path
+    )
+    assert "## interventions" in output
+    check_rows(table_rows(output))
+
+
+@pytest.mark.slow
+def test_interventions_generation_rows_on_a_small_llama(tmp_path):
+    output = run(
+        "interventions.py",
+        "--only",
+        "generation",
+        "--gen-prompts",
+        "3",
+        "--gen-tokens",
+        "3",
+        "--gen-layers",
+        "2",
+        "--gen-hidden",
+        "64",
+        "--gen-repeats",
+        "1",
+        cwd=tmp_path,
+    )
+    check_rows(table_rows(output))
