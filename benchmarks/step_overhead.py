@@ -14,8 +14,11 @@ prompts of 8 tokens, greedy, at batch 1, 64 and 256. A decode step's time is
 same run; the engine's host sections are shown per step and per request (a section whose time
 per request does not fall with the batch is per-request Python).
 
+Then the multi-step table: the same decode step with k decode steps per scheduling decision
+(`num_scheduler_steps`, k = 1, 2, 4, 8), from which the CPU default was chosen.
+
 Usage: python benchmarks/step_overhead.py [--batches 1 64 256] [--prompts 16] [--new-tokens 32] [--reps 5]
-       [--decode-only]
+       [--decode-only | --multi-step-only] [--window-sizes 1 2 4 8]
 """
 
 from __future__ import annotations
@@ -261,6 +264,71 @@ def measure_decode(batches: list[int], repeats: int) -> None:
     llm.shutdown()
 
 
+def measure_multi_step(batches: list[int], repeats: int, window_sizes: list[int]) -> None:
+    """Decode step time with k decode steps per scheduling decision (`num_scheduler_steps=k`).
+
+    The same tiny Llama and prompts as the decode table; one engine per k, each on its own copy of
+    the model, runs interleaved. A step is (T(17 tokens) - T(1)) / 16 in wall clock and in the
+    engine thread's CPU time (with its publishing), best of `repeats`; decisions are the
+    scheduler's per 16 decode steps.
+    """
+    import copy
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(shape_config("tiny")).eval()
+    model.generation_config.eos_token_id = None
+    engines = {
+        k: nnrun.LLM(
+            copy.deepcopy(model), max_num_seqs=max(batches), max_total_tokens=max(batches) * 32, num_scheduler_steps=k
+        )
+        for k in window_sizes
+    }
+    timers = {}
+    for k, llm in engines.items():
+        timers[k] = StepTimer(llm, time.thread_time)
+        timers[k].wrap(llm, "_publish", "publish")
+    print(f"\nmulti-step decode, tiny Llama, 8-token prompts, greedy; best of {repeats}; k = num_scheduler_steps")
+    print(
+        f"{'batch':>6} "
+        + " ".join(f"{'k=' + str(k) + ' wall':>10} {'CPU':>7} {'dec.':>4}" for k in window_sizes)
+        + "  wall vs k="
+        + str(window_sizes[0])
+    )
+    steps = DECODE_TOKENS - 1
+    for batch in batches:
+        prompts = [[(7 * i + 3 * j) % 254 + 2 for j in range(8)] for i in range(batch)]
+        wall: dict[tuple[int, int], list[float]] = defaultdict(list)
+        cpu: dict[tuple[int, int], list[float]] = defaultdict(list)
+        decisions: dict[int, int] = {}
+        for k, llm in engines.items():  # warm-up
+            llm.generate(prompts, nnrun.SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+        for _ in range(repeats):
+            for num_tokens in (1, DECODE_TOKENS):
+                params = nnrun.SamplingParams(max_tokens=num_tokens, temperature=0, ignore_eos=True)
+                for k, llm in engines.items():
+                    schedules = llm.core.scheduler.num_schedules
+                    with timers[k].measuring():
+                        start = time.perf_counter()
+                        llm.generate(prompts, params)
+                        wall[k, num_tokens].append(time.perf_counter() - start)
+                        cpu[k, num_tokens].append(timers[k].seconds["step"] + timers[k].seconds["publish"])
+                    if num_tokens == DECODE_TOKENS:
+                        decisions[k] = llm.core.scheduler.num_schedules - schedules - 1  # less the prefill's
+        per_step = {k: (min(wall[k, DECODE_TOKENS]) - min(wall[k, 1])) / steps for k in window_sizes}
+        per_cpu = {k: (min(cpu[k, DECODE_TOKENS]) - min(cpu[k, 1])) / steps for k in window_sizes}
+        first = per_step[window_sizes[0]]
+        print(
+            f"{batch:>6} "
+            + " ".join(
+                f"{1e3 * per_step[k]:>8.3f}ms {1e3 * per_cpu[k]:>5.3f}ms {decisions[k]:>4}" for k in window_sizes
+            )
+            + "  "
+            + " ".join(f"{first / per_step[k]:.2f}x" for k in window_sizes)
+        )
+    for llm in engines.values():
+        llm.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16)
@@ -269,9 +337,16 @@ def main() -> None:
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--decode-only", action="store_true", help="only issue 36's decode table")
+    parser.add_argument("--multi-step-only", action="store_true", help="only the multi-step table")
+    parser.add_argument(
+        "--window-sizes", type=int, nargs="+", default=[1, 2, 4, 8], help="num_scheduler_steps of the multi-step table"
+    )
     parser.add_argument("--decode-repeats", type=int, default=3, help="runs per decode measurement; the best counts")
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
+    measure_multi_step(args.batches, args.decode_repeats, args.window_sizes)
+    if args.multi_step_only:
+        return
     measure_decode(args.batches, args.decode_repeats)
     if args.decode_only:
         return

@@ -92,8 +92,15 @@ class SchedulerConfig:
 
     max_num_seqs: int = 256  # requests running at once
     max_num_batched_tokens: int = 8192  # new tokens in one forward (a longer prompt runs alone)
+    # vLLM's name: decode steps run per scheduling decision when no request needs the host between them
+    # (nnrun/multi_step.py); 1 schedules every step. None: 4 on CUDA, 1 on CPU (where a window gains nothing
+    # measurable: benchmarks/step_overhead.py).
+    num_scheduler_steps: int | None = None
 
     def __post_init__(self) -> None:
+        steps = self.num_scheduler_steps
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0):
+            raise ValueError(f"SchedulerConfig.num_scheduler_steps must be a positive integer or None, got {steps!r}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"SchedulerConfig.max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:

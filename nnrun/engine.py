@@ -219,7 +219,8 @@ class LLM:
     def paused(self) -> Iterator[None]:
         """Hold the engine between steps: requests submitted meanwhile enter the same next step.
 
-        The step running when this is entered completes first. Used to co-schedule requests on
+        The step running when this is entered completes first (a multi-step window, all its decode
+        steps: `num_scheduler_steps`). Used to co-schedule requests on
         purpose (tests of isolation, fair batching by a server). Never wait on a request inside
         the `with` block: nothing runs until it ends.
         """
@@ -233,7 +234,7 @@ class LLM:
                 self._wakeup.notify_all()
 
     def abort(self, request_ids: Iterable[str], error: BaseException | None = None) -> None:
-        """End these requests at the next step boundary (thread-safe; unknown or finished ids are ignored).
+        """End these requests at the next scheduling decision (thread-safe; unknown or finished ids are ignored).
 
         Their KV pages and interventions are released as for any finished request; a caller still
         waiting on one gets `error` (by default a RuntimeError saying it was aborted).
@@ -356,6 +357,7 @@ class LLM:
                 raise ValueError(f"request_id {(taken or ids)[0]!r} is already in use")
             for req, handle in zip(requests, handles):
                 req.arrival_order = next(self._arrivals)
+                req.is_streamed = stream
                 self._handles[req.request_id] = handle
             self._num_streams += len(requests) if stream else 0
             self._inbox.extend(requests)

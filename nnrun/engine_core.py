@@ -9,6 +9,7 @@ import torch
 
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 from nnrun.model_runner import LogitsProcessorOutput, ModelRunner
+from nnrun.multi_step import decode_window_size, max_scheduler_steps, to_host_lists
 from nnrun.request import Request
 from nnrun.sampler import SamplerOutput, compute_logprobs
 from nnrun.scheduler import Scheduler
@@ -63,6 +64,7 @@ class EngineCore:
             runner.config.scheduler, runner.allocator, runner.req_to_token_pool, self.stop_checker
         )
         self._decode_chain: DecodeChain | None = None
+        self.max_scheduler_steps = max_scheduler_steps(runner.config)  # decode steps per decision, at most
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add_request(req)
@@ -80,8 +82,13 @@ class EngineCore:
                 self._finish(finished)
                 return [], finished
             reqs = batch.reqs
+            num_steps = self._decode_window(reqs) if batch.forward_mode is ForwardMode.DECODE else 1
             try:
-                ran, (next_ids, token_logprobs) = self._run_groups(reqs, batch.forward_mode)
+                if num_steps > 1:
+                    ran, results = reqs, self._run_window(reqs, num_steps)
+                else:
+                    ran, (next_ids, token_logprobs) = self._run_groups(reqs, batch.forward_mode)
+                    results = [(next_ids, token_logprobs, {})]
             except BaseException as error:  # a failure of the step itself: its requests end, the engine goes on
                 logger.exception("engine step failed")
                 finished += self.scheduler.fail_requests(reqs, error)
@@ -90,7 +97,9 @@ class EngineCore:
                     ran_ids = set(map(id, ran))
                     blamed = [req for req in reqs if id(req) not in ran_ids]
                     finished += self.scheduler.fail_requests(blamed, RuntimeError("the step failed"))
-                finished += self.scheduler.process_batch_result(ran, next_ids, token_logprobs)
+                for next_ids, token_logprobs, row_errors in results:  # step by step, as if scheduled one at a time
+                    self._fail_rows(ran, row_errors)
+                    finished += self.scheduler.process_batch_result(ran, next_ids, token_logprobs)
             finished += self._drain_scheduler_failures()
             self._finish(finished)
             return reqs, finished
@@ -141,26 +150,70 @@ class EngineCore:
 
     def _run_batch(self, reqs: list[Request], mode: ForwardMode) -> tuple[list[int], list[dict[int, float] | None]]:
         """Forward and sample one batch -> (next token ids, their logprobs), in batch order."""
-        chain, self._decode_chain = self._decode_chain, None
-        if mode is not ForwardMode.DECODE:
-            forward_batch = self.runner.prepare_forward_batch_extend(reqs)
-        elif chain is not None and chain.reqs == reqs:  # the same requests as the last decode step, one token on
-            forward_batch = self.runner.advance_decode_batch(chain.forward_batch, chain.next_token_ids)
+        if mode is ForwardMode.DECODE:
+            forward_batch = self._first_decode_batch(reqs)
         else:
-            forward_batch = self.runner.prepare_forward_batch_decode(reqs)
-        counters = self.counters
-        counters.forwards += 1
-        counters.batched_requests += len(reqs)
-        counters.forwarded_tokens += len(forward_batch.input_ids)
-        logits_output = self.runner.forward(forward_batch)
-        sampler_output = self.runner.sample(logits_output, forward_batch)
-        for row, reason in sampler_output.row_errors.items():
-            reqs[row].fail(ValueError(f"request {reqs[row].request_id}: {reason}"))
+            self._decode_chain = None
+            forward_batch = self.runner.prepare_forward_batch_extend(reqs)
+        logits_output, sampler_output = self._forward_and_sample(forward_batch)
+        self._fail_rows(reqs, sampler_output.row_errors)
         self._record_prompt_logprobs(reqs, logits_output)
         next_token_ids = sampler_output.token_ids.tolist()
         if mode is ForwardMode.DECODE and not sampler_output.row_errors:
             self._decode_chain = DecodeChain(list(reqs), forward_batch, sampler_output.token_ids)
         return next_token_ids, self._token_logprobs(reqs, sampler_output)
+
+    def _decode_window(self, reqs: list[Request]) -> int:
+        """Decode steps this batch runs before the next scheduling decision, its KV held for all of them."""
+        num_steps = decode_window_size(
+            reqs,
+            self.max_scheduler_steps,
+            self.stop_checker.max_model_len,
+            self.runner,
+            has_waiting=bool(self.scheduler.waiting),
+        )
+        return self.scheduler.hold_decode_window(reqs, num_steps) if num_steps > 1 else 1
+
+    def _run_window(self, reqs: list[Request], num_steps: int) -> list[tuple[list[int], list, dict[int, str]]]:
+        """`num_steps` decode steps of `reqs` back to back (`nnrun/multi_step.py`) -> per step (ids, logprobs, row errors).
+
+        Each step's sampled tokens are the next step's input ids, on the device; nothing is read back
+        until the last step has run. The engine appends the steps' tokens afterwards, in order.
+        """
+        forward_batch = self._first_decode_batch(reqs)
+        outputs: list[SamplerOutput] = []
+        for step in range(num_steps):
+            if step:
+                forward_batch = self.runner.advance_decode_batch(forward_batch, outputs[-1].token_ids)
+            outputs.append(self._forward_and_sample(forward_batch)[1])
+        step_token_ids = to_host_lists([output.token_ids for output in outputs])  # the window's one sync
+        if not any(output.row_errors for output in outputs):
+            self._decode_chain = DecodeChain(list(reqs), forward_batch, outputs[-1].token_ids)
+        return [
+            (token_ids, self._token_logprobs(reqs, output), output.row_errors)
+            for token_ids, output in zip(step_token_ids, outputs)
+        ]
+
+    def _first_decode_batch(self, reqs: list[Request]) -> ForwardBatch:
+        chain, self._decode_chain = self._decode_chain, None
+        if chain is not None and chain.reqs == reqs:  # the same requests as the last decode step, one token on
+            return self.runner.advance_decode_batch(chain.forward_batch, chain.next_token_ids)
+        return self.runner.prepare_forward_batch_decode(reqs)
+
+    def _forward_and_sample(self, forward_batch: ForwardBatch) -> tuple[LogitsProcessorOutput, SamplerOutput]:
+        counters = self.counters
+        counters.forwards += 1
+        counters.batched_requests += forward_batch.batch_size
+        counters.forwarded_tokens += forward_batch.num_tokens
+        logits_output = self.runner.forward(forward_batch)
+        return logits_output, self.runner.sample(logits_output, forward_batch)
+
+    @staticmethod
+    def _fail_rows(reqs: list[Request], row_errors: dict[int, str]) -> None:
+        """Rows the sampler could not sample fail their requests (unless they stopped earlier in a window)."""
+        for row, reason in row_errors.items():
+            if not reqs[row].is_finished:
+                reqs[row].fail(ValueError(f"request {reqs[row].request_id}: {reason}"))
 
     def abort_requests(self, errors: dict[str, BaseException]) -> list[Request]:
         """Finish the named requests now (those still waiting or running); returns them."""

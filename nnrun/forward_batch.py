@@ -28,7 +28,7 @@ class ForwardBatch:
 
     forward_mode: ForwardMode
     reqs: list[Request]  # batch order
-    input_ids: torch.Tensor  # [N] int64
+    input_ids: torch.Tensor  # [N] int64 (on the CPU, or a decode chain's sampled tokens on the model's device)
     positions: torch.Tensor  # [N] int64, each request's absolute positions (HF position_ids)
     out_cache_loc: torch.Tensor  # [N] int64 KV slot written for each new token
     extend_seq_lens: list[int]  # new tokens per request
@@ -131,7 +131,9 @@ def next_decode_forward_batch(
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,
         reqs=reqs,
-        input_ids=next_token_ids.to(device="cpu", dtype=torch.int64),  # [B], as the token lists end now
+        # [B], as the token lists end now; left on the sampler's device, so a step can follow the last on the
+        # GPU without a sync (a multi-step window's tokens reach the host after its last step)
+        input_ids=next_token_ids.to(dtype=torch.int64),
         positions=positions,
         out_cache_loc=slots,
         extend_seq_lens=previous.extend_seq_lens,

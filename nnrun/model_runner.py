@@ -21,6 +21,7 @@ from nnrun.config import EngineConfig
 from nnrun.cuda_graph import CudaGraphCapturer, DecodeGraphRunner, GraphCapturer, default_batch_sizes
 from nnrun.exact import FORCED_REASON, HFForward, choose_exact_forward, packed_layers
 from nnrun.forward_batch import (
+    OUTPUT_ATTENTIONS_ARG,
     ForwardBatch,
     ForwardMode,
     decode_forward_batch,
@@ -304,6 +305,19 @@ class ModelRunner(KVPoolSetup):
     def keeps_all_logits(self, req: Request) -> bool:
         """Whether `req` keeps every new token's logits this step (a seam: the nnsight runner's traces do)."""
         return False
+
+    def allows_multi_step(self, reqs: list[Request]) -> bool:
+        """Whether `reqs` may run several decode steps per scheduling decision (`nnrun/multi_step.py`; a seam).
+
+        Not on the exact path (its layout is read off each request's tokens), nor while module hooks or a
+        request's attention probabilities watch the forwards: rows of a request that stopped inside a window
+        run on, and a watcher would see them. Subclasses whose requests are watched per step say no as well.
+        """
+        return (
+            self.exact_forward is None
+            and not any(req.extra_args.get(OUTPUT_ATTENTIONS_ARG) for req in reqs)
+            and not self._has_module_hooks()
+        )
 
     @staticmethod
     def _wants_prompt_logits(req: Request) -> bool:

@@ -36,6 +36,7 @@ class Request:
     is_preemptible: bool = True
     gang_id: str | None = None  # requests of one gang are admitted in the same step (a trace's invokes)
     arrival_order: int = 0
+    is_streamed: bool = False  # a caller reads each new token as it comes: the engine steps it one at a time
 
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING

@@ -40,6 +40,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_schedules = 0  # scheduling decisions made (a multi-step window runs several forwards per one)
         self.just_failed: list[Request] = []  # finished by the scheduler itself; the engine drains this
 
     @property
@@ -52,6 +53,7 @@ class Scheduler:
 
     # ---- choosing a step ------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
+        self.num_schedules += 1
         scheduled, is_decode = self._schedule_running()
         num_running = len(scheduled)
         self._admit_waiting(scheduled, self.config.max_num_batched_tokens - num_running)
@@ -153,6 +155,32 @@ class Scheduler:
             scheduled.append(req)  # it holds KV for its next token already: hold_kv would change nothing
             is_decode = is_decode and 0 < req.num_computed_tokens == num_tokens - 1
         return scheduled, is_decode
+
+    def hold_decode_window(self, reqs: list[Request], num_steps: int) -> int:
+        """Give each of `reqs` KV for `num_steps` decode steps up front, or for as many as the free pages allow.
+
+        Returns the steps held for (at most `num_steps`; 1 means nothing beyond the next token, which
+        `schedule` holds already). A window never preempts: all of its KV is taken from free pages
+        before its first step, so nothing is preempted or allocated in its middle.
+        """
+        page_size = self.allocator.page_size
+        num_free_pages = self.allocator.num_free_pages
+        num_tokens = [len(req.prompt_token_ids) + len(req.output_token_ids) for req in reqs]
+        num_held = [len(req.page_ids) * page_size for req in reqs]  # tokens each request's pages hold
+        while num_steps > 1:
+            # step j (0-based) writes the K/V of position num_tokens - 1 + j: num_tokens + num_steps - 1 slots in all
+            short = [
+                (req, n + num_steps - 1) for req, n, held in zip(reqs, num_tokens, num_held) if n + num_steps - 1 > held
+            ]
+            num_missing = sum(-(-end // page_size) - len(req.page_ids) for req, end in short)
+            if num_missing <= num_free_pages:
+                break
+            num_steps -= 1
+        if num_steps > 1:
+            for req, end in short:
+                held = self._hold_kv(req, end)
+                assert held, "the free pages were counted"
+        return num_steps
 
     def _pick_victim(self, exclude: list[Request]) -> Request | None:
         candidates = [r for r in self.running if r.is_preemptible and r not in exclude]

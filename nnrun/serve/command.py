@@ -32,6 +32,8 @@ _ENGINE_INTS = {
     "max_model_len": "longest prompt plus completion in tokens (default: the model's context length)",
     "max_num_batched_tokens": "new tokens in one forward (default: the engine's, 8192)",
     "page_size": "tokens per KV page (default: the engine's, 16)",
+    "num_scheduler_steps": "decode steps per scheduling decision when no request needs the host between them "
+    "(default: 4 on CUDA, 1 on CPU)",
 }
 
 

@@ -24,6 +24,7 @@ from nnrun.forward_batch import ForwardBatch
 from nnrun.loader import _load_tokenizer, _resolve_path, check_model_supported
 from nnrun.memory import ReqToTokenPool, TokenToKVPoolAllocator
 from nnrun.model_runner import LogitsProcessorOutput, ModelRunner
+from nnrun.request import Request
 from nnrun.sampler import SamplerOutput
 from nnrun.tp.capture import refuse_split_values
 from nnrun.tp.group import RankGroup
@@ -114,6 +115,10 @@ class TensorParallelRunner(ModelRunner):
             return RankSampledOutput(next_token_logits=torch.empty((len(token_ids), 0)), token_ids=token_ids)
         logits = self.group.run_step(wire.encode_step(forward_batch, page_size))  # [R, V]
         return self.process_logits(logits, forward_batch)
+
+    def allows_multi_step(self, reqs: list[Request]) -> bool:
+        """Every step is a round trip to the ranks already: they take one step per scheduling decision."""
+        return False
 
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> SamplerOutput:
         if isinstance(logits_output, RankSampledOutput):
