@@ -93,8 +93,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256  # requests running at once
     max_num_batched_tokens: int = 8192  # new tokens in one forward (a longer prompt runs alone)
     # vLLM's name: decode steps run per scheduling decision when no request needs the host between them
-    # (nnrun/multi_step.py); 1 schedules every step. None: 4 on CUDA, 1 on CPU (where a window gains nothing
-    # measurable: benchmarks/step_overhead.py).
+    # (nnrun/multi_step.py); 1 schedules every step. None: 1 for now (4 on CUDA once a GPU session has checked
+    # windows there; on CPU a window gains nothing measurable: benchmarks/step_overhead.py).
     num_scheduler_steps: int | None = None
 
     def __post_init__(self) -> None:

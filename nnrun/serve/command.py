@@ -33,7 +33,7 @@ _ENGINE_INTS = {
     "max_num_batched_tokens": "new tokens in one forward (default: the engine's, 8192)",
     "page_size": "tokens per KV page (default: the engine's, 16)",
     "num_scheduler_steps": "decode steps per scheduling decision when no request needs the host between them "
-    "(default: 4 on CUDA, 1 on CPU)",
+    "(default 1: windows are opt-in until checked on a GPU)",
 }
 
 
