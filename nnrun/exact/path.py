@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from nnrun.exact.hf_forward import HFForward, attention_implementation, own_attention, set_attention
-from nnrun.exact.probe import ModelRefusedError, hf_references, packed_path_difference, probe_lengths, probe_prompts
+from nnrun.exact.probe import (
+    ModelRefusedError,
+    dtype_refusal,
+    hf_references,
+    high_position_prompt,
+    packed_path_difference,
+    probe_lengths,
+    probe_prompts,
+)
 from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
 from nnrun.state.mixers import adapted_mixer_layer_ids
 from nnrun.state.placeholders import feed_forward_layer_ids, with_state_placeholders
@@ -49,7 +57,8 @@ def packed_layers(model: torch.nn.Module, device: torch.device) -> tuple[list[At
 def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFForward | None:
     """Probe the model; return the exact path's HF forward if the packed path must not serve it, else None.
 
-    Raises `ModelRefusedError` for a model whose own HF forward fails on a plain prompt.
+    Raises `ModelRefusedError` for a model whose dtypes are not those HF's own loading gives it, or
+    whose own HF forward fails on a plain prompt.
     """
     model = runner.model
     family = family_of(model)
@@ -58,16 +67,23 @@ def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFF
             f"{family}: {type(model).__name__} cannot generate text (HF's can_generate() is False: an encoder-only "
             "or other non-causal head); nnrun runs causal language models (AutoModelForCausalLM's classes)"
         )
+    refusal = dtype_refusal(model, runner.dtype, family)
+    if refusal is not None:
+        raise refusal
     hf = HFForward(model, runner.device)
     max_len = min(runner.max_model_len, runner.req_to_token_pool.max_context_len)
-    lengths = probe_lengths(
-        _shortest_window(runner),
-        max_len,
-        runner.max_total_tokens,
+    page_size, vocab_size, special_ids = (
         runner.allocator.page_size,
-        runner.req_to_token_pool.num_free_rows,
+        model.get_input_embeddings().num_embeddings,
+        _special_ids(model),
     )
-    prompts = probe_prompts(model.get_input_embeddings().num_embeddings, _special_ids(model), lengths)
+    lengths = probe_lengths(
+        _shortest_window(runner), max_len, runner.max_total_tokens, page_size, runner.req_to_token_pool.num_free_rows
+    )
+    prompts = probe_prompts(vocab_size, special_ids, lengths)
+    if packed_unfit is None and "position_ids" in hf.takes:  # the positions only: its KV is a short prompt's
+        high = high_position_prompt(vocab_size, special_ids, runner.max_model_len, runner.max_total_tokens, page_size)
+        prompts += [high] if high is not None else []
     with attention_implementation(model, own_attention(model)):
         references = hf_references(hf, prompts, family)
     reason = packed_unfit or packed_path_difference(runner, prompts, references)
