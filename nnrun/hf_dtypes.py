@@ -19,7 +19,7 @@ import copy
 import warnings
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.core_model_loading import build_glob_alternation
 from transformers.utils.generic import ContextManagers
 
@@ -30,7 +30,7 @@ def hf_dtypes(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, torch.dty
     contexts = model_class.get_init_context(dtype, False, False, None)  # meta device, `dtype` as default
     with warnings.catch_warnings(), ContextManagers(contexts):
         warnings.simplefilter("ignore")
-        skeleton = model_class(copy.deepcopy(model.config))
+        skeleton = model_class(_name_dtype(copy.deepcopy(model.config), dtype))
     built = {name: t.dtype for name, t in _tensors(skeleton) if t.is_floating_point()}
     plan = skeleton._get_dtype_plan(dtype)  # keep-in-fp32 globs, matched against checkpoint keys as HF does
     pattern, group_to_glob, _ = build_glob_alternation(list(plan)) if plan else (None, {}, {})
@@ -73,8 +73,18 @@ def cast_like_hf(model: PreTrainedModel, dtype: torch.dtype, in_place: bool = Fa
             cast = tensor.detach().to(target, copy=True)
             memo[id(tensor)] = torch.nn.Parameter(cast, tensor.requires_grad) if _is_parameter(tensor) else cast
         model = copy.deepcopy(model, memo)
-    model.config.dtype = dtype
+    _name_dtype(model.config, dtype)
     return model
+
+
+def _name_dtype(config: PretrainedConfig, dtype: torch.dtype) -> PretrainedConfig:
+    """`config` and its sub-configs naming `dtype`, as HF's loading sets them (composites build their parts by it)."""
+    config.dtype = dtype
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        if isinstance(sub, PretrainedConfig):
+            sub.dtype = dtype
+    return config
 
 
 def _tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -127,7 +127,7 @@ def _load_tokenizer(tokenizer: Any, path: str | None, model_config: ModelConfig)
         return AutoTokenizer.from_pretrained(
             source, revision=model_config.revision, trust_remote_code=model_config.trust_remote_code
         )
-    except (OSError, ValueError):
+    except (OSError, ValueError, ImportError, TypeError):  # no tokenizer files, or its library is not installed
         if tokenizer is not None:
             raise ValueError(f"could not load tokenizer {tokenizer!r}") from None
         return None  # a checkpoint without tokenizer files: token-id prompts still work

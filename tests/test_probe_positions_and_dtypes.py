@@ -35,7 +35,10 @@ def test_a_model_cast_wholesale_is_refused_at_load_naming_its_rounded_tensors():
         with pytest.raises(ModelRefusedError) as refused:
             nnrun.LLM(model, dtype=dtype)
         message = str(refused.value)
-        assert message.startswith("llama: ") and "model.rotary_emb.inv_freq: bfloat16, HF's loading gives float32" in message
+        assert (
+            message.startswith("llama: ")
+            and "model.rotary_emb.inv_freq: bfloat16, HF's loading gives float32" in message
+        )
         assert "from_pretrained(..., dtype=torch.bfloat16)" in message
 
 
