@@ -1,0 +1,32 @@
+"""Families in bf16 on CPU against HF's own bf16: 256- and 300-token prompts and decode steps, packed and alone,
+within HF's own rounding, every token routed to HF's experts (families/half_precision.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from families.half_precision import check_half_precision
+from families.tiny import causal_lm_families
+
+SAMPLE = ("llama", "qwen3_moe")  # RoPE, and an MoE on transformers' shared experts interface
+
+
+def check(model_type: str) -> None:
+    result = check_half_precision(model_type)  # raises if nnrun's numbers or routes are not HF's
+    if result.path == "not built":
+        pytest.skip(f"HF cannot build the tiny {model_type} at {result.detail}")
+    if result.path == "refused":
+        assert model_type in result.detail
+
+
+@pytest.mark.parametrize("model_type", SAMPLE)
+def test_family_in_bf16_gives_hfs_numbers_and_experts(model_type):
+    result = check_half_precision(model_type)
+    assert result.path == "packed" and max(result.errors.values()) <= result.bound
+    assert result.num_routed_tokens > 0 or model_type == "llama"
+
+
+@pytest.mark.slow  # every causal LM family in transformers, two long prompts each: minutes on 2 cores
+@pytest.mark.parametrize("model_type", sorted(set(causal_lm_families()) - set(SAMPLE)))
+def test_every_family_in_bf16_gives_hfs_numbers_and_experts(model_type):
+    check(model_type)
