@@ -10,6 +10,7 @@ import torch
 from nnrun.exact.hf_forward import HFForward, attention_implementation, own_attention, set_attention
 from nnrun.exact.probe import (
     ModelRefusedError,
+    ProbePrompt,
     dtype_refusal,
     hf_references,
     high_position_prompt,
@@ -71,19 +72,7 @@ def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFF
     if refusal is not None:
         raise refusal
     hf = HFForward(model, runner.device)
-    max_len = min(runner.max_model_len, runner.req_to_token_pool.max_context_len)
-    page_size, vocab_size, special_ids = (
-        runner.allocator.page_size,
-        model.get_input_embeddings().num_embeddings,
-        _special_ids(model),
-    )
-    lengths = probe_lengths(
-        _shortest_window(runner), max_len, runner.max_total_tokens, page_size, runner.req_to_token_pool.num_free_rows
-    )
-    prompts = probe_prompts(vocab_size, special_ids, lengths)
-    if packed_unfit is None and "position_ids" in hf.takes:  # the positions only: its KV is a short prompt's
-        high = high_position_prompt(vocab_size, special_ids, runner.max_model_len, runner.max_total_tokens, page_size)
-        prompts += [high] if high is not None else []
+    prompts = _probe_prompts(runner, hf, packed_unfit)
     with attention_implementation(model, own_attention(model)):
         references = hf_references(hf, prompts, family)
     reason = packed_unfit or packed_path_difference(runner, prompts, references)
@@ -99,6 +88,26 @@ def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFF
     hf.reason = reason
     set_attention(model, own_attention(model))  # from now on the model runs as HF runs it
     return hf
+
+
+def _probe_prompts(runner: "ModelRunner", hf: HFForward, packed_unfit: str | None) -> list[ProbePrompt]:
+    """Short prompts that fit the context and the KV pool, then (for the packed path, where the family's forward
+    takes `position_ids`) one at positions near `min(max_model_len, 4096)`."""
+    model = runner.model
+    page_size, vocab_size, special_ids = (
+        runner.allocator.page_size,
+        model.get_input_embeddings().num_embeddings,
+        _special_ids(model),
+    )
+    max_len = min(runner.max_model_len, runner.req_to_token_pool.max_context_len)
+    lengths = probe_lengths(
+        _shortest_window(runner), max_len, runner.max_total_tokens, page_size, runner.req_to_token_pool.num_free_rows
+    )
+    prompts = probe_prompts(vocab_size, special_ids, lengths)
+    if packed_unfit is None and "position_ids" in hf.takes:  # only its positions are high: its KV is a short prompt's
+        high = high_position_prompt(vocab_size, special_ids, runner.max_model_len, runner.max_total_tokens, page_size)
+        prompts += [high] if high is not None else []
+    return prompts
 
 
 def _special_ids(model: torch.nn.Module) -> set[int]:

@@ -15,6 +15,7 @@ something differed, to say what) one packed prefill per prompt alone.
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterator
@@ -28,6 +29,8 @@ from nnrun.memory import hold_kv
 
 if TYPE_CHECKING:
     from nnrun.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 PROBE_LENGTHS = (5, 11, 3)  # different lengths, so a packed request starts mid-batch and lengths differ
 MAX_WINDOW_PROBED = 64  # a sliding window or attention chunk up to this long gets a prompt that crosses it
@@ -159,7 +162,13 @@ def high_position_prompt(
 
 def dtype_refusal(model: torch.nn.Module, dtype: torch.dtype, family: str) -> ModelRefusedError | None:
     """The refusal of a model whose tensors are not in the dtypes HF's own loading at `dtype` gives them."""
-    departures = dtype_departures(model, dtype)
+    try:
+        departures = dtype_departures(model, dtype)
+    except Exception as error:  # the class cannot be rebuilt from its config on the meta device: HF's rules unknown
+        logger.warning(
+            "%s: its dtypes were not checked against HF's loading (%s: %s)", family, type(error).__name__, error
+        )
+        return None
     if not departures:
         return None
     shown = "; ".join(departures[:3]) + (f"; and {len(departures) - 3} more" if len(departures) > 3 else "")
