@@ -25,7 +25,10 @@ from transformers.utils.generic import ContextManagers
 
 
 def hf_dtypes(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """Per floating parameter and buffer name of `model`: the dtype `from_pretrained(dtype=dtype)` gives it."""
+    """Per floating parameter and buffer of `model` that its class builds: the dtype `from_pretrained(dtype=dtype)` gives it.
+
+    A tensor the class does not build (a module added after loading) has no HF rule and is not named.
+    """
     model_class = type(model)
     contexts = model_class.get_init_context(dtype, False, False, None)  # meta device, `dtype` as default
     with warnings.catch_warnings(), ContextManagers(contexts):
@@ -37,10 +40,10 @@ def hf_dtypes(model: PreTrainedModel, dtype: torch.dtype) -> dict[str, torch.dty
     in_checkpoint = set(skeleton.state_dict())
     dtypes = {}
     for name, tensor in _tensors(model):
-        if not tensor.is_floating_point():
+        if not tensor.is_floating_point() or name not in built:
             continue
         match = pattern.search(name) if pattern is not None and name in in_checkpoint else None
-        dtypes[name] = plan[group_to_glob[match.lastgroup]] if match else built.get(name, dtype)
+        dtypes[name] = plan[group_to_glob[match.lastgroup]] if match else built[name]
     return dtypes
 
 
@@ -60,8 +63,9 @@ def cast_like_hf(model: PreTrainedModel, dtype: torch.dtype, in_place: bool = Fa
     `in_place=False` leaves `model` as it was and returns a copy (the cast tensors are built once,
     without first copying the originals); `in_place=True` changes `model` itself (a model nnrun built).
     """
-    targets = hf_dtypes(model, dtype)
     tensors = dict(_tensors(model))
+    rules = hf_dtypes(model, dtype)  # a tensor the class does not build is cast to `dtype`, as `.to(dtype)` would
+    targets = {name: rules.get(name, dtype) for name, tensor in tensors.items() if tensor.is_floating_point()}
     if in_place:
         for name, target in targets.items():
             if tensors[name].dtype != target:
