@@ -140,7 +140,10 @@ def _hf_checkpoint(model_type: str, folder: str) -> torch.nn.Module:
 
 def _prompts(model: torch.nn.Module) -> list[list[int]]:
     config = model.config
-    special = {getattr(config, name, None) for name in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    special: set[int] = set()
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(config, name, None)
+        special.update(value if isinstance(value, list) else [value])
     pool = torch.tensor([t for t in range(VOCAB_SIZE) if t not in special])
     generator = torch.Generator().manual_seed(1)
     return [pool[torch.randint(len(pool), (n,), generator=generator)].tolist() for n in PROMPT_LENGTHS]
@@ -159,30 +162,49 @@ def _log_probs(output, prompt: list[int], vocab: int) -> torch.Tensor:
 
 @torch.no_grad()
 def _hf_oracle(model: torch.nn.Module, sequences: list[list[int]]):
-    """HF alone per sequence (`[L - 1, V]` log-probs, expert routes), HF's padded-vs-alone spread, its largest logit."""
+    """HF alone per sequence (`[L - 1, V]` log-probs, expert routes), HF's padded-vs-alone spread, its largest logit.
+
+    As HF generates without a cache: the prompt's forward, then one forward of the sequence so far per
+    decode step, its last position (a model that is not causal sees only the tokens so far, as on nnrun).
+    """
     takes = set(inspect.signature(model.forward).parameters)
     no_cache = {"use_cache": False} if "use_cache" in takes else {}
     routes = ExpertRoutes(model)
     alone, alone_routes, max_logit = [], [], 0.0
     for sequence in sequences:
-        logits = model(input_ids=torch.tensor([sequence]), **no_cache).logits[0, :-1].float()  # [L - 1, V]
+        num_prompt = len(sequence) - NUM_DECODE_STEPS
+        logits = [model(input_ids=torch.tensor([sequence[:num_prompt]]), **no_cache).logits[0].float()]  # [T, V]
+        prompt_routes = routes.take()
+        for end in range(num_prompt + 1, len(sequence)):
+            logits.append(model(input_ids=torch.tensor([sequence[:end]]), **no_cache).logits[0, -1:].float())  # [1, V]
+        decode_routes = routes.take()
+        logits = torch.cat(logits)  # [L - 1, V]
         alone.append(torch.log_softmax(logits, dim=-1))
         max_logit = max(max_logit, float(logits.abs().max()))
-        alone_routes.append({name: calls[0][: len(sequence) - 1] for name, calls in routes.take().items()})
-    longest = max(len(s) for s in sequences)
-    rows = torch.tensor([s + [s[0]] * (longest - len(s)) for s in sequences])  # [B, L]
-    kwargs = dict(no_cache)
-    if "attention_mask" in takes:
-        kwargs["attention_mask"] = (
-            torch.arange(longest)[None] < torch.tensor([len(s) for s in sequences])[:, None]
-        ).long()
-    try:
-        batch = torch.log_softmax(model(input_ids=rows, **kwargs).logits.float(), dim=-1)  # [B, L, V]
-        spread = max(float((batch[i, : len(s) - 1] - alone[i]).abs().max()) for i, s in enumerate(sequences))
-    except Exception:  # a family whose batched forward fails: one bf16 step is its rounding
-        spread = 0.0
+        alone_routes.append(
+            {
+                name: torch.cat([calls[0]] + [step[-1:] for step in decode_routes[name]])
+                for name, calls in prompt_routes.items()
+            }
+        )
     routes.remove()
-    return alone, alone_routes, spread, max_logit
+    prompts = [s[: len(s) - NUM_DECODE_STEPS] for s in sequences]
+    return alone, alone_routes, _padded_spread(model, prompts, alone, takes), max_logit
+
+
+def _padded_spread(model: torch.nn.Module, prompts: list[list[int]], alone: list[torch.Tensor], takes: set) -> float:
+    """How far HF's prompt log-probs move in one right-padded batch of the prompts against each alone (HF's rounding)."""
+    longest = max(len(p) for p in prompts)
+    rows = torch.tensor([p + [p[0]] * (longest - len(p)) for p in prompts])  # [B, T]
+    kwargs = {"use_cache": False} if "use_cache" in takes else {}
+    if "attention_mask" in takes:
+        lengths = torch.tensor([len(p) for p in prompts])  # [B]
+        kwargs["attention_mask"] = (torch.arange(longest)[None] < lengths[:, None]).long()  # [B, T]
+    try:
+        batch = torch.log_softmax(model(input_ids=rows, **kwargs).logits.float(), dim=-1)  # [B, T, V]
+    except Exception:  # a family whose batched forward fails: one bf16 step is its rounding
+        return 0.0
+    return max(float((batch[i, : len(p)] - alone[i][: len(p)]).abs().max()) for i, p in enumerate(prompts))
 
 
 def _packed_order(calls: dict[str, list[torch.Tensor]], lengths: list[int], path: str) -> list[dict[str, torch.Tensor]]:
