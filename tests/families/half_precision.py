@@ -5,8 +5,9 @@ are far from uniform) loaded by `from_pretrained(dtype=torch.bfloat16)`, each se
 nnrun loads the same folder in bf16 and generates greedily from prompts of 256 and 300 tokens, both
 prompts packed in one engine call and each alone, returning every position's full log-probabilities.
 Each must be within HF's own rounding of HF alone: `ROUNDING_FACTOR` times how far HF's own
-log-probabilities move between a right-padded batch of the sequences and each alone (at least one
-bf16 step of HF's largest logit). MoE families must route every token to HF's experts: the expert
+log-probabilities move between a right-padded batch of the prompts and each alone, or between its
+decode steps on its own cache (`generate`) and without one (at least one bf16 step of HF's largest
+logit). MoE families must route every token to HF's experts: the expert
 indices each `*experts` module is called with (transformers' shared experts interface) are compared
 token by token.
 """
@@ -38,7 +39,7 @@ class HalfPrecisionResult:
     detail: str = ""
     errors: dict[str, float] = field(default_factory=dict)  # "packed"/"alone" -> largest |log-prob| error vs HF alone
     bound: float = 0.0
-    hf_spread: float = 0.0  # HF's own right-padded batch against alone
+    hf_spread: float = 0.0  # HF's own rounding: its right-padded batch, and its cached decode, against alone
     num_routed_tokens: int = 0  # token-layer expert choices compared (0: not an MoE on the shared interface)
 
 
@@ -51,10 +52,10 @@ def check_half_precision(model_type: str) -> HalfPrecisionResult:
         warnings.simplefilter("ignore")
         try:
             hf = _hf_checkpoint(model_type, folder)
+            prompts = _prompts(hf)
+            vocab = _vocab(hf, prompts[0])  # HF's own bf16 forward runs a long prompt
         except Exception as error:
             return HalfPrecisionResult(model_type, "not built", f"{type(error).__name__}: {error}"[:300])
-        prompts = _prompts(hf)
-        vocab = _vocab(hf, prompts[0])
         params = nnrun.SamplingParams(
             max_tokens=NUM_DECODE_STEPS, temperature=0, ignore_eos=True, logprobs=vocab, prompt_logprobs=vocab
         )
@@ -130,7 +131,7 @@ def _hf_checkpoint(model_type: str, folder: str) -> torch.nn.Module:
             continue
         if isinstance(getattr(sub, "initializer_range", None), float):
             sub.initializer_range = 0.2
-        for name in ("max_position_embeddings", "n_positions", "n_ctx"):
+        for name in ("max_position_embeddings", "n_positions", "n_ctx", "max_target_positions"):
             if isinstance(getattr(sub, name, None), int):
                 setattr(sub, name, MAX_POSITIONS)
     torch.manual_seed(0)
@@ -151,7 +152,7 @@ def _prompts(model: torch.nn.Module) -> list[list[int]]:
 
 def _vocab(model: torch.nn.Module, prompt: list[int]) -> int:
     with torch.no_grad():
-        return int(model(torch.tensor([prompt[:2]])).logits.shape[-1])
+        return int(model(torch.tensor([prompt])).logits.shape[-1])
 
 
 def _log_probs(output, prompt: list[int], vocab: int) -> torch.Tensor:
@@ -189,7 +190,8 @@ def _hf_oracle(model: torch.nn.Module, sequences: list[list[int]]):
         )
     routes.remove()
     prompts = [s[: len(s) - NUM_DECODE_STEPS] for s in sequences]
-    return alone, alone_routes, _padded_spread(model, prompts, alone, takes), max_logit
+    spread = max(_padded_spread(model, prompts, alone, takes), _cached_spread(model, sequences, alone))
+    return alone, alone_routes, spread, max_logit
 
 
 def _padded_spread(model: torch.nn.Module, prompts: list[list[int]], alone: list[torch.Tensor], takes: set) -> float:
@@ -205,6 +207,34 @@ def _padded_spread(model: torch.nn.Module, prompts: list[list[int]], alone: list
     except Exception:  # a family whose batched forward fails: one bf16 step is its rounding
         return 0.0
     return max(float((batch[i, : len(p)] - alone[i][: len(p)]).abs().max()) for i, p in enumerate(prompts))
+
+
+def _cached_spread(model: torch.nn.Module, sequences: list[list[int]], alone: list[torch.Tensor]) -> float:
+    """How far HF's decode steps on its own cache (`generate`) move against its forwards without one (HF's rounding).
+
+    Compared where HF's greedy tokens so far are the sequence's; 0 where HF's `generate` cannot run the family.
+    """
+    spread = 0.0
+    for sequence, expected in zip(sequences, alone):
+        num_prompt = len(sequence) - NUM_DECODE_STEPS
+        try:
+            out = model.generate(
+                torch.tensor([sequence[:num_prompt]]),
+                max_new_tokens=NUM_DECODE_STEPS,
+                min_new_tokens=NUM_DECODE_STEPS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        except Exception:
+            return spread
+        tokens = out.sequences[0, num_prompt:].tolist()
+        for step, logits in enumerate(out.logits[1:], start=1):  # step 0 is the prompt's forward: no cache yet
+            if tokens[:step] != sequence[num_prompt : num_prompt + step]:
+                break
+            row = torch.log_softmax(logits[0].float(), dim=-1)  # [V]
+            spread = max(spread, float((row - expected[num_prompt - 1 + step]).abs().max()))
+    return spread
 
 
 def _packed_order(calls: dict[str, list[torch.Tensor]], lengths: list[int], path: str) -> list[dict[str, torch.Tensor]]:
