@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nnrun.attention.hf_glue import QUERY_RESCALE
 from nnrun.exact.hf_forward import HFForward, attention_implementation, own_attention, set_attention
 from nnrun.exact.probe import (
     ModelRefusedError,
@@ -19,6 +20,7 @@ from nnrun.exact.probe import (
     probe_prompts,
 )
 from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
+from nnrun.position_adapters import adapt_positions
 from nnrun.state.mixers import adapted_mixer_layer_ids
 from nnrun.state.placeholders import feed_forward_layer_ids, with_state_placeholders
 
@@ -104,10 +106,20 @@ def _probe_prompts(runner: "ModelRunner", hf: HFForward, packed_unfit: str | Non
         _shortest_window(runner), max_len, runner.max_total_tokens, page_size, runner.req_to_token_pool.num_free_rows
     )
     prompts = probe_prompts(vocab_size, special_ids, lengths)
-    if packed_unfit is None and "position_ids" in hf.takes:  # only its positions are high: its KV is a short prompt's
+    if packed_unfit is None and "position_ids" in hf.takes and not _numbers_positions_itself(model):
         high = high_position_prompt(vocab_size, special_ids, runner.max_model_len, runner.max_total_tokens, page_size)
         prompts += [high] if high is not None else []
     return prompts
+
+
+def _numbers_positions_itself(model: torch.nn.Module) -> bool:
+    """Whether a module numbers positions itself, and nnrun hands it the step's positions instead.
+
+    HF's own forward would not move those positions with `position_ids` (Inkling's log scaling,
+    Llama 4's temperature, roberta-style and encoder-decoder position tables), so a prompt at moved
+    `position_ids` would compare unlike things.
+    """
+    return bool(adapt_positions(model)) or any(QUERY_RESCALE in module.__dict__ for module in model.modules())
 
 
 def _special_ids(model: torch.nn.Module) -> set[int]:
