@@ -41,7 +41,7 @@ def test_family_in_bf16_gives_hfs_numbers_and_experts(model_type):
     assert result.num_routed_tokens > 0 or model_type == "llama"
 
 
-@pytest.mark.slow  # every causal LM family in transformers, two long prompts each: about 10 minutes on 2 cores
+@pytest.mark.slow  # every causal LM family in transformers, two long prompts each: 10 minutes on 2 idle cores (27 shared)
 @pytest.mark.parametrize(
     "model_type",
     [
