@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from nnrun.config import DeviceConfig, ModelConfig
 from nnrun.exact.path import family_of
+from nnrun.hf_dtypes import cast_like_hf
 from nnrun.unservable import causal_lm_class, refuse_unservable, refusing_missing_libraries
 
 UNSAFE_ROPE_TYPES = ("dynamic", "longrope")
@@ -25,21 +26,36 @@ class LoadedModel:
 
 
 def load_model(model_config: ModelConfig, device_config: DeviceConfig) -> LoadedModel:
-    """Build the HF model on the configured device and dtype, in eval mode."""
+    """Build the HF model in the configured dtype as HF's own loading leaves it, on the configured device, in eval mode.
+
+    Only the device changes after loading: a checkpoint loads through `from_pretrained(dtype=...)`,
+    dummy weights are built as HF builds that dtype, and an in-memory model keeps its dtypes unless
+    another dtype is asked for, when nnrun serves a copy cast as HF's loading would (`cast_like_hf`).
+    """
     source = model_config.model
     if isinstance(source, PreTrainedModel):
         refuse_unservable(type(source), family_of(source), source.config)
-        model, name, path = source, type(source).__name__, getattr(source, "name_or_path", None) or None
-        if device_config.dtype is None:
-            device_config.torch_dtype = model.dtype  # an in-memory model keeps its own dtype by default
+        name, path = type(source).__name__, getattr(source, "name_or_path", None) or None
+        model = _in_memory(source, device_config)
     elif model_config.load_format == "dummy":
         model, name, path = _build_dummy(source, model_config, device_config.torch_dtype)
     else:
         name, path = str(source), _resolve_path(str(source))
         model = _from_pretrained(path, model_config, device_config.torch_dtype)
-    model = model.to(device=device_config.device, dtype=device_config.torch_dtype).eval()
+    model = model.to(device=device_config.device).eval()
     tokenizer = _load_tokenizer(model_config.tokenizer, path, model_config)
     return LoadedModel(model, tokenizer, name)
+
+
+def _in_memory(model: PreTrainedModel, device_config: DeviceConfig) -> PreTrainedModel:
+    """The user's model itself (dtype None, or its own), else a copy in the asked dtype as HF would load it.
+
+    A copy, so that the user's object (often their fp32 oracle) never changes dtype behind their back.
+    """
+    if device_config.dtype is None or device_config.torch_dtype == model.dtype:
+        device_config.torch_dtype = model.dtype
+        return model
+    return cast_like_hf(model, device_config.torch_dtype)
 
 
 def _resolve_path(source: str) -> str:
@@ -89,7 +105,8 @@ def _build_dummy(source: Any, model_config: ModelConfig, dtype: torch.dtype) -> 
     torch.manual_seed(0)
     with refusing_missing_libraries(config):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=model_config.trust_remote_code)
-    return model, name, path
+    # from_config builds in `dtype` (what a module builds in fp32 stays fp32) but skips the keep-in-fp32 plan
+    return cast_like_hf(model, dtype, in_place=True), name, path
 
 
 def _refuse_before_building(config: PretrainedConfig) -> None:
@@ -110,7 +127,7 @@ def _load_tokenizer(tokenizer: Any, path: str | None, model_config: ModelConfig)
         return AutoTokenizer.from_pretrained(
             source, revision=model_config.revision, trust_remote_code=model_config.trust_remote_code
         )
-    except (OSError, ValueError):
+    except (OSError, ValueError, ImportError, TypeError):  # no tokenizer files, or its library is not installed
         if tokenizer is not None:
             raise ValueError(f"could not load tokenizer {tokenizer!r}") from None
         return None  # a checkpoint without tokenizer files: token-id prompts still work

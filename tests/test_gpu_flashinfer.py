@@ -28,6 +28,7 @@ import nnrun
 from model_zoo import random_prompts
 from nnrun.attention.score_terms import ScoreTerms
 from nnrun.forward_batch import ForwardBatch, ForwardMode
+from nnrun.hf_dtypes import cast_like_hf
 from nnrun.memory import KVPool, LayerKVShape
 from nnrun.model_probe import AttentionLayerInfo
 from nnrun.request import Request
@@ -94,7 +95,7 @@ def gpu_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
         for name, param in model.named_parameters():
             if name.endswith("self_attn.q_proj.weight"):
                 param.mul_(4.0)
-    return model.to(dtype)
+    return cast_like_hf(model, dtype, in_place=True)  # as HF's loading in `dtype` leaves it (RoPE's inv_freq fp32)
 
 
 def fp32_twin(model: torch.nn.Module) -> torch.nn.Module:
@@ -340,7 +341,7 @@ def test_kv_pool_fills_the_engines_share_of_the_card():
         max_position_embeddings=1024,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval().to(torch.bfloat16)  # 32 KiB of KV per token
+    model = cast_like_hf(LlamaForCausalLM(config).eval(), torch.bfloat16, in_place=True)  # 32 KiB of KV per token
     total = torch.cuda.mem_get_info()[1]
     with engine(model, "flashinfer", torch.bfloat16, gpu_memory_utilization=0.3, max_num_seqs=4096) as llm:
         in_use = total - torch.cuda.mem_get_info()[0]

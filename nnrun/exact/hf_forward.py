@@ -102,11 +102,17 @@ class HFForward:
         logits_indices: torch.Tensor | None = None,
         output_attentions: bool = False,
         num_cached: int = 0,
+        first_position: int = 0,
     ) -> Any:
-        """One plain HF forward of `[1, T]` ids after `cache` (None: from the start) of `num_cached` tokens."""
+        """One plain HF forward of `[1, T]` ids after `cache` (None: from the start) of `num_cached` tokens.
+
+        `first_position` numbers the sequence's tokens from there (through `position_ids`: the load-time probe's
+        high positions); the cache and masks still hold the sequence's own tokens only.
+        """
         kwargs: dict[str, Any] = {"input_ids": input_ids}
-        if self.passes_positions:
-            kwargs["position_ids"] = torch.arange(num_cached, num_cached + input_ids.shape[1], device=self.device)[None]
+        if self.passes_positions or first_position:
+            start = first_position + num_cached
+            kwargs["position_ids"] = torch.arange(start, start + input_ids.shape[1], device=self.device)[None]
         if output_attentions:
             kwargs["output_attentions"] = True
         if "use_cache" in self.takes:

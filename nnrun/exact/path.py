@@ -7,9 +7,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nnrun.attention.hf_glue import QUERY_RESCALE
 from nnrun.exact.hf_forward import HFForward, attention_implementation, own_attention, set_attention
-from nnrun.exact.probe import ModelRefusedError, hf_references, packed_path_difference, probe_lengths, probe_prompts
+from nnrun.exact.probe import (
+    ModelRefusedError,
+    ProbePrompt,
+    dtype_refusal,
+    hf_references,
+    high_position_prompt,
+    packed_path_difference,
+    probe_lengths,
+    probe_prompts,
+)
 from nnrun.model_probe import AttentionLayerInfo, probe_attention_layers
+from nnrun.position_adapters import adapt_positions
 from nnrun.state.mixers import adapted_mixer_layer_ids
 from nnrun.state.placeholders import feed_forward_layer_ids, with_state_placeholders
 
@@ -49,7 +60,8 @@ def packed_layers(model: torch.nn.Module, device: torch.device) -> tuple[list[At
 def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFForward | None:
     """Probe the model; return the exact path's HF forward if the packed path must not serve it, else None.
 
-    Raises `ModelRefusedError` for a model whose own HF forward fails on a plain prompt.
+    Raises `ModelRefusedError` for a model whose dtypes are not those HF's own loading gives it, or
+    whose own HF forward fails on a plain prompt.
     """
     model = runner.model
     family = family_of(model)
@@ -58,16 +70,11 @@ def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFF
             f"{family}: {type(model).__name__} cannot generate text (HF's can_generate() is False: an encoder-only "
             "or other non-causal head); nnrun runs causal language models (AutoModelForCausalLM's classes)"
         )
+    refusal = dtype_refusal(model, runner.dtype, family)
+    if refusal is not None:
+        raise refusal
     hf = HFForward(model, runner.device)
-    max_len = min(runner.max_model_len, runner.req_to_token_pool.max_context_len)
-    lengths = probe_lengths(
-        _shortest_window(runner),
-        max_len,
-        runner.max_total_tokens,
-        runner.allocator.page_size,
-        runner.req_to_token_pool.num_free_rows,
-    )
-    prompts = probe_prompts(model.get_input_embeddings().num_embeddings, _special_ids(model), lengths)
+    prompts = _probe_prompts(runner, hf, packed_unfit)
     with attention_implementation(model, own_attention(model)):
         references = hf_references(hf, prompts, family)
     reason = packed_unfit or packed_path_difference(runner, prompts, references)
@@ -83,6 +90,36 @@ def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFF
     hf.reason = reason
     set_attention(model, own_attention(model))  # from now on the model runs as HF runs it
     return hf
+
+
+def _probe_prompts(runner: "ModelRunner", hf: HFForward, packed_unfit: str | None) -> list[ProbePrompt]:
+    """Short prompts that fit the context and the KV pool, then (for the packed path, where the family's forward
+    takes `position_ids`) one at positions near `min(max_model_len, 4096)`."""
+    model = runner.model
+    page_size, vocab_size, special_ids = (
+        runner.allocator.page_size,
+        model.get_input_embeddings().num_embeddings,
+        _special_ids(model),
+    )
+    max_len = min(runner.max_model_len, runner.req_to_token_pool.max_context_len)
+    lengths = probe_lengths(
+        _shortest_window(runner), max_len, runner.max_total_tokens, page_size, runner.req_to_token_pool.num_free_rows
+    )
+    prompts = probe_prompts(vocab_size, special_ids, lengths)
+    if packed_unfit is None and "position_ids" in hf.takes and not _numbers_positions_itself(model):
+        high = high_position_prompt(vocab_size, special_ids, runner.max_model_len, runner.max_total_tokens, page_size)
+        prompts += [high] if high is not None else []
+    return prompts
+
+
+def _numbers_positions_itself(model: torch.nn.Module) -> bool:
+    """Whether a module numbers positions itself, and nnrun hands it the step's positions instead.
+
+    HF's own forward would not move those positions with `position_ids` (Inkling's log scaling,
+    Llama 4's temperature, roberta-style and encoder-decoder position tables), so a prompt at moved
+    `position_ids` would compare unlike things.
+    """
+    return bool(adapt_positions(model)) or any(QUERY_RESCALE in module.__dict__ for module in model.modules())
 
 
 def _special_ids(model: torch.nn.Module) -> set[int]:

@@ -1,14 +1,21 @@
 """The load-time exactness probe: does the packed path give this model's own HF numbers?
 
-A few short prompts of different lengths run packed in one step and then one decode step each;
+First the model's dtypes are held against HF's own loading (`dtype_refusal`): a model cast
+wholesale has rounded RoPE frequencies or fp32-kept weights, and HF's forward on it departs from
+HF's own load as much as nnrun's would, so no comparison with it could tell.
+
+Then a few short prompts of different lengths run packed in one step and then one decode step each;
 every prompt's logits are compared with the model's own HF forward of that prompt alone (HF's own
-cache for the decode step). Anything that differs, and the model never serves from the packed path.
-The cost: one packed prefill and one packed decode, two HF forwards per prompt, and (only when
+cache for the decode step). One more short prompt does the same at positions near
+`min(max_model_len, 4096)` (through `position_ids`, where the family takes them), so that an error
+growing with the position shows. Anything that differs, and the model never serves from the packed
+path. The cost: two packed prefills and decodes, two HF forwards per prompt, and (only when
 something differed, to say what) one packed prefill per prompt alone.
 """
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Iterator
@@ -16,14 +23,19 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from nnrun.exact.hf_forward import HFForward
-from nnrun.forward_batch import ForwardMode, packed_forward_batch
+from nnrun.forward_batch import ForwardBatch, ForwardMode, packed_forward_batch
+from nnrun.hf_dtypes import dtype_departures
 from nnrun.memory import hold_kv
 
 if TYPE_CHECKING:
     from nnrun.model_runner import ModelRunner
 
+logger = logging.getLogger(__name__)
+
 PROBE_LENGTHS = (5, 11, 3)  # different lengths, so a packed request starts mid-batch and lengths differ
 MAX_WINDOW_PROBED = 64  # a sliding window or attention chunk up to this long gets a prompt that crosses it
+HIGH_POSITION_LENGTH = 8  # the prompt run at high positions (its own packed step)
+MAX_POSITION_PROBED = 4096  # the high-position prompt ends (its decode token included) near min(max_model_len, this)
 
 
 class ModelRefusedError(ValueError):
@@ -34,6 +46,11 @@ class ModelRefusedError(ValueError):
 class ProbePrompt:
     token_ids: list[int]
     next_token_id: int  # the token its decode step feeds
+    first_position: int = 0  # the position of its first token (its `position_ids` start here)
+
+    def describe(self) -> str:
+        where = "" if not self.first_position else f" at positions {self.first_position}.."
+        return f"{len(self.token_ids)}-token prompt{where}"
 
 
 @dataclass(frozen=True)
@@ -116,10 +133,10 @@ def probe_lengths(
     return lengths
 
 
-def probe_prompts(vocab_size: int, special_ids: set[int], lengths: list[int]) -> list[ProbePrompt]:
+def probe_prompts(vocab_size: int, special_ids: set[int], lengths: list[int], seed: int = 0) -> list[ProbePrompt]:
     """Seeded token ids of these lengths, none of them a special token, each with its decode step's token."""
     pool = [t for t in range(min(vocab_size, 4096)) if t not in special_ids] or list(range(vocab_size))
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     picks = torch.randint(len(pool), (sum(lengths) + len(lengths),), generator=generator).tolist()
     ids = [pool[i] for i in picks]
     prompts, start = [], 0
@@ -127,6 +144,42 @@ def probe_prompts(vocab_size: int, special_ids: set[int], lengths: list[int]) ->
         prompts.append(ProbePrompt(ids[start : start + length], ids[start + length]))
         start += length + 1
     return prompts
+
+
+def high_position_prompt(
+    vocab_size: int, special_ids: set[int], max_len: int, num_slots: int, page_size: int
+) -> ProbePrompt | None:
+    """A short prompt whose decode token lands at `min(max_len, MAX_POSITION_PROBED) - 1`, or None.
+
+    None where the positions would not reach past the short prompts' or its KV would not fit.
+    """
+    first_position = min(max_len, MAX_POSITION_PROBED) - HIGH_POSITION_LENGTH - 1
+    if first_position <= max(PROBE_LENGTHS) or -(-(HIGH_POSITION_LENGTH + 1) // page_size) * page_size > num_slots:
+        return None
+    prompt = probe_prompts(vocab_size, special_ids, [HIGH_POSITION_LENGTH], seed=1)[0]
+    return replace(prompt, first_position=first_position)
+
+
+def dtype_refusal(model: torch.nn.Module, dtype: torch.dtype, family: str) -> ModelRefusedError | None:
+    """The refusal of a model whose tensors are not in the dtypes HF's own loading at `dtype` gives them."""
+    try:
+        departures = dtype_departures(model, dtype)
+    except Exception as error:  # the class cannot be rebuilt from its config on the meta device: HF's rules unknown
+        logger.warning(
+            "%s: its dtypes were not checked against HF's loading (%s: %s)", family, type(error).__name__, error
+        )
+        return None
+    if not departures:
+        return None
+    shown = "; ".join(departures[:3]) + (f"; and {len(departures) - 3} more" if len(departures) > 3 else "")
+    name = str(dtype).removeprefix("torch.")
+    return ModelRefusedError(
+        f"{family}: {len(departures)} tensors are not in the dtype HF's own loading in {name} gives them ({shown}). "
+        f"HF keeps RoPE frequencies and the class's keep-in-fp32 weights in float32; a model cast wholesale "
+        f"(model.to(dtype), .half()) has them rounded, and its numbers drift from HF's as positions grow. Load it "
+        f"with from_pretrained(..., dtype=torch.{name}), or give nnrun the float32 model with dtype=torch.{name} "
+        f"(nnrun then serves a copy cast as HF's loading would: nnrun.hf_dtypes.cast_like_hf)"
+    )
 
 
 def hf_references(hf: HFForward, prompts: list[ProbePrompt], family: str) -> list[Reference]:
@@ -147,9 +200,11 @@ def hf_references(hf: HFForward, prompts: list[ProbePrompt], family: str) -> lis
             raise _refusal(family, prompts, error) from error
     if hf.model.dtype == torch.float32:
         return references
-    return [
-        replace(r, batch_rounding=rounding) for r, rounding in zip(references, _batch_rounding(hf, prompts, references))
-    ]
+    at_start = [i for i, prompt in enumerate(prompts) if not prompt.first_position]  # one padded batch from 0
+    roundings = _batch_rounding(hf, [prompts[i] for i in at_start], [references[i] for i in at_start])
+    for i, rounding in zip(at_start, roundings):
+        references[i] = replace(references[i], batch_rounding=rounding)
+    return references
 
 
 def _batch_rounding(hf: HFForward, prompts: list[ProbePrompt], references: list[Reference]) -> list[float]:
@@ -183,13 +238,14 @@ def _references(hf: HFForward, prompts: list[ProbePrompt]) -> list[Reference]:
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([prompt.token_ids], device=hf.device)  # [1, T]
-            prefill = hf.call(ids, None)
+            start = prompt.first_position
+            prefill = hf.call(ids, None, first_position=start)
             cache = hf.cache_in(prefill)
             next_ids = torch.tensor([[prompt.next_token_id]], device=hf.device)  # [1, 1]
             if cache is None:  # no cache: HF runs the whole sequence again
-                decode = hf.call(torch.cat([ids, next_ids], dim=1), None)
+                decode = hf.call(torch.cat([ids, next_ids], dim=1), None, first_position=start)
             else:
-                decode = hf.call(next_ids, cache, num_cached=ids.shape[1])
+                decode = hf.call(next_ids, cache, num_cached=ids.shape[1], first_position=start)
             references.append(Reference(prefill.logits[0], decode.logits[0, -1]))
     return references
 
@@ -212,12 +268,25 @@ def packed_path_difference(
     two half-precision kernels' rounding allows, which a wrong page or mask still exceeds.
     """
     with torch_attention(runner):
-        reason = _difference(runner, prompts, references, relative_tolerance(runner.dtype, references))
+        reason = _steps_difference(runner, prompts, references, relative_tolerance(runner.dtype, references))
     if reason is None and runner.attn_backend is not runner.torch_attention_backend():
-        reason = _difference(runner, prompts, references, kernel_tolerance(runner.dtype, references))
+        reason = _steps_difference(runner, prompts, references, kernel_tolerance(runner.dtype, references))
         if reason is not None:
             reason += f" on the {runner.attn_backend.name} attention kernels"
     return reason
+
+
+def _steps_difference(
+    runner: "ModelRunner", prompts: list[ProbePrompt], references: list[Reference], rtol: float
+) -> str | None:
+    """The prompts from position 0 packed in one step, then each high-position prompt in a step of its own."""
+    steps = [[i for i, p in enumerate(prompts) if not p.first_position]]
+    steps += [[i] for i, p in enumerate(prompts) if p.first_position]
+    for step in steps:
+        reason = _difference(runner, [prompts[i] for i in step], [references[i] for i in step], rtol) if step else None
+        if reason is not None:
+            return reason
+    return None
 
 
 @contextmanager
@@ -248,13 +317,13 @@ def _difference(
                 else "only when packed with other prompts"
             )
             return (
-                f"the prefill logits of a {len(prompt.token_ids)}-token prompt differ from HF's by {error:.2g} "
+                f"the prefill logits of a {prompt.describe()} differ from HF's by {error:.2g} "
                 f"of their magnitude, {where}"
             )
         error = differs(decode, reference.decode, rtol)
         if error is not None:
             return (
-                f"the decode-step logits after a {len(prompt.token_ids)}-token prompt differ from HF's "
+                f"the decode-step logits after a {prompt.describe()} differ from HF's "
                 f"(with HF's own cache) by {error:.2g} of their magnitude"
             )
     return None
@@ -278,7 +347,7 @@ def _run_packed(
             runner.allocator.page_size,
             [not last_only and (len(reqs) == 1 or row != 1) for row in range(len(reqs))],
         )
-        output = runner.packed_step(forward_batch)
+        output = runner.packed_step(_at_first_positions(forward_batch, prompts))
         for row, prompt_logits in enumerate(output.prompt_logits or [None] * len(reqs)):
             last = output.next_token_logits[row : row + 1]  # [1, V]
             prefills.append(last if prompt_logits is None else torch.cat([prompt_logits, last]))
@@ -289,5 +358,18 @@ def _run_packed(
             req.output_token_ids.append(prompt.next_token_id)
             if not hold_kv(req, req.num_tokens, runner.allocator, runner.req_to_token_pool):
                 raise RuntimeError("the KV pool cannot hold the exactness probe's prompts")
-        decodes = list(runner.packed_step(runner.packed_decode_batch(reqs)).next_token_logits)
+        decode_batch = _at_first_positions(runner.packed_decode_batch(reqs), prompts)
+        decodes = list(runner.packed_step(decode_batch).next_token_logits)
     return prefills, decodes
+
+
+def _at_first_positions(forward_batch: ForwardBatch, prompts: list[ProbePrompt]) -> ForwardBatch:
+    """The batch with each request's positions (its `position_ids`) moved on by its prompt's first position.
+
+    Only the positions move: the KV layout, masks and windows stay each request's own tokens.
+    """
+    offsets = torch.tensor([p.first_position for p in prompts], dtype=torch.int64)  # [B]
+    if not offsets.any():
+        return forward_batch
+    per_token = torch.repeat_interleave(offsets, torch.tensor(forward_batch.extend_seq_lens))  # [N]
+    return replace(forward_batch, positions=forward_batch.positions + per_token)

@@ -42,7 +42,11 @@ tokens of each. What each outcome means:
 
 The probe runs at every engine start, for any model (not only these families): three short prompts
 packed in one step and then one decode step each, against the model's own HF forward of each
-prompt alone with HF's own cache, compared relative to the logits' magnitude. The model is checked
+prompt alone with HF's own cache, compared relative to the logits' magnitude; where the family's forward
+takes `position_ids`, an 8-token prompt then runs the same way at positions ending near
+`min(max_model_len, 4096)`, so that an error growing with the position shows. Before any of it, the model's
+dtypes are held against HF's own loading in that dtype (RoPE's frequencies and the class's keep-in-fp32
+weights in float32): a model cast wholesale is refused at load, naming the tensors. The model is checked
 on the pure-torch attention backend first (1e-3 in fp32; in half precision 2e-2, or three times how
 far HF's own logits move when it runs the same prompts as one right-padded batch, whichever is
 larger), then on the configured kernels (FlashInfer on CUDA: 6e-2 in half precision, since two

@@ -104,6 +104,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "xlstm": {"num_blocks": 2, "qk_dim_factor": 1.0},
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": (32, 32), "axial_pos_shape": (16, 16)},
     "deepseek_v2": {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 2},
+    # its first 3 layers are dense by default: one of the two tiny layers routes to experts
+    "deepseek_v3": {"first_k_dense_replace": 1},
     # its code reads RoPE settings per layer kind, which its default config leaves empty: here Cohere 2's
     # pattern (RoPE on sliding layers, none on full ones), M-RoPE sections summing to half the head width,
     # and a window the probe's prompts cross
