@@ -167,8 +167,9 @@ def _heads_fit_as_keys(q: torch.Tensor, keys: torch.Tensor) -> bool:
     It does on CPU for small heads, where SDPA's kernel pays a fixed cost per (request, head) that
     outweighs the math (measured: 1.5-2.5x at head_dim 16, 2-8 KV heads); its waste of Hkv - 1 of
     every Hkv multiply-adds makes it lose at head_dim 64 or on an accelerator's fused kernels.
+    In half precision SDPA stays: its rounding is HF's (sdpa's), which float32 matmuls rounded once are not.
     """
-    return q.device.type == "cpu" and keys.shape[-1] <= 32 and keys.shape[2] <= 8
+    return q.device.type == "cpu" and q.dtype == torch.float32 and keys.shape[-1] <= 32 and keys.shape[2] <= 8
 
 
 def _heads_as_keys_mask(allowed: torch.Tensor, num_q_heads: int, num_kv_heads: int) -> torch.Tensor:
