@@ -29,6 +29,7 @@ switch its attention to stock sdpa and back. Every contender first runs untimed 
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import json
 import math
@@ -261,6 +262,7 @@ def run_interventions(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[flo
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_cuda_graphs=args.cuda_graphs,
         attention_backend=args.attention_backend,
+        **engine_options(args),
     )
     # nnsight on HF wraps the same modules (each wrapper routes to its own trace); HF runs on stock sdpa.
     oracle = None if args.skip_hf else nnsight.LanguageModel(model, tokenizer=tokenizer)
@@ -339,6 +341,13 @@ def parse_args() -> argparse.Namespace:
         "--only", action="append", default=None, help="prefill, decode, extract, interventions (repeat or comma list)"
     )
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--engine-option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an engine option for nnrun's engines, e.g. num_scheduler_steps=4 or cuda_graph_pieces=true (repeat)",
+    )
     parser.add_argument("--hf-max-batch", type=int, default=256, help="prompts per HF call in prefill and decode")
     parser.add_argument("--hf-extract-batch", type=int, default=32, help="prompts per HF padded batch in extract")
     parser.add_argument("--batch-tokens", type=int, default=16384, help="engine max_num_batched_tokens")
@@ -373,6 +382,21 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def engine_options(args: argparse.Namespace) -> dict:
+    """`--engine-option NAME=VALUE` pairs, values read as Python literals (`true`/`false` as booleans)."""
+    options = {}
+    for pair in args.engine_option:
+        name, sep, text = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-option takes NAME=VALUE, got {pair!r}")
+        text = {"true": "True", "false": "False"}.get(text.lower(), text)
+        try:
+            options[name] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            options[name] = text
+    return options
+
+
 def build_engine(args: argparse.Namespace) -> nnrun.LLM:
     """Random weights built on the device itself (an 8B model in fp32 on the host would take minutes)."""
     dtype = resolve_dtype(args.dtype, str(args.device))
@@ -388,6 +412,7 @@ def build_engine(args: argparse.Namespace) -> nnrun.LLM:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_cuda_graphs=args.cuda_graphs,
         attention_backend=args.attention_backend,
+        **engine_options(args),
     )
 
 
