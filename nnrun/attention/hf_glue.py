@@ -79,6 +79,7 @@ def paged_attention_forward(
         chunk_size=attention_chunk_size(module),
         # ALiBi slopes are given only by nnrun's own classic-family adapters (attention/classic)
         alibi_slopes=kwargs.get("alibi_slopes"),
+        half_scores=kwargs.get("half_scores"),
         key_indices=None if picks is None else picks[0].long(),  # [N, K]
         relative_logits=relative_logits,
     )

@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Callable
 
 import torch
+
+
+class HalfScores(Enum):
+    """Where HF's half-precision eager code rounds an ALiBi layer's scores to the model's dtype (float32 runs: nowhere).
+
+    nnrun's scores stay float32 otherwise; at long prompts ALiBi's bias is large (slope x position ~100),
+    where one bf16 step is ~1 nat, so HF's own rounding must be repeated to give HF's numbers.
+    """
+
+    BIAS_THEN_ROUND = "bias then round"  # Bloom's baddbmm: bias at key positions rounded, plus scaled q.k, rounded once
+    ROUND_THEN_BIAS = "round then bias"  # MPT: q.k rounded, scaled and rounded again, then a float32 bias
 
 
 @dataclass(frozen=True)
@@ -20,6 +32,7 @@ class ScoreTerms:
     chunk_size: int | None = None  # chunked attention: a query sees only keys of its own chunk (Llama 4)
     # ALiBi: [Hq] float32 slopes; `slope * (key_pos - query_pos)` joins each scaled score (Bloom, MPT, Falcon)
     alibi_slopes: torch.Tensor | None = None
+    half_scores: HalfScores | None = None  # how HF rounds the ALiBi scores in half precision (Bloom, MPT)
     # DSA sparse attention: [N, K] int64 request-local positions of each query's picked keys (-1: none);
     # a query sees only those of its causal keys
     key_indices: torch.Tensor | None = None
