@@ -266,14 +266,19 @@ def _alibi_distance(
     return distance.float()
 
 
-def _half_scores(qk, scaling, bias, half_scores: HalfScores | None, dtype: torch.dtype) -> torch.Tensor:
-    """Float32 scores `qk * scaling + bias`, rounded to `dtype` where HF's half-precision eager code rounds them."""
-    if half_scores is None or bias is None or dtype == torch.float32:
+def _half_scores(qk, scaling, softcap, bias, half_scores: HalfScores | None, dtype: torch.dtype) -> torch.Tensor:
+    """Float32 scores: `qk * scaling`, ALiBi's `bias`, the softcap; rounded to `dtype` where HF's half-precision code does."""
+    if half_scores is None or dtype == torch.float32:
         scores = qk * scaling
-        return scores if bias is None else scores + bias
-    if half_scores is HalfScores.ROUND_THEN_BIAS:  # MPT: matmul in the dtype, scaled in it, float32 bias added
-        return (qk.to(dtype) * scaling).float() + bias
-    return (bias.to(dtype).float() + qk * scaling).to(dtype).float()  # Bloom: one baddbmm of its rounded bias
+        if bias is not None:
+            scores = scores + bias
+        return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+    if half_scores is HalfScores.BIAS_THEN_ROUND:  # Bloom: one baddbmm of its rounded bias and the scaled q.k
+        return (bias.to(dtype).float() + qk * scaling).to(dtype).float()
+    scores = qk.to(dtype) * scaling  # HF eager: matmul, scaling and softcap each in the dtype
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores.float() if bias is None else scores.float() + bias  # MPT's bias joins in float32
 
 
 def _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias=None, half_scores: HalfScores | None = None):
@@ -288,9 +293,7 @@ def _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias=None, half_sco
     group = num_q_heads // num_kv_heads
     grouped_q = q.view(num, q_len, num_kv_heads, group, head_dim)  # [G, n, Hkv, R, D]
     qk = torch.einsum("bnkrd,blkd->bkrnl", grouped_q.float(), k.float())  # [G, Hkv, R, n, L]
-    scores = _half_scores(qk, scaling, bias, half_scores, q.dtype)  # [G, Hkv, R, n, L]
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    scores = _half_scores(qk, scaling, softcap, bias, half_scores, q.dtype)  # [G, Hkv, R, n, L]
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is None:
         probs = scores.softmax(dim=-1)
@@ -300,7 +303,7 @@ def _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias=None, half_sco
         else:
             sink_logits = sinks.float().view(num, q_len, num_kv_heads, group).permute(0, 2, 3, 1)[..., None]
         probs = torch.cat([scores, sink_logits], dim=-1).softmax(dim=-1)[..., :-1]
-    if half_scores is not None:  # HF's ALiBi families weigh the values with probabilities in the model's dtype
+    if half_scores is not None:  # HF's eager code weighs the values with probabilities in the model's dtype
         probs = probs.to(q.dtype).float()
     out = torch.einsum("bkrnl,blkd->bnkrd", probs, v.float())  # [G, n, Hkv, R, Dv]
     return out.reshape(num, q_len, num_q_heads, -1).to(q.dtype)

@@ -38,7 +38,7 @@ def _forward(self, hidden_states, position_bias, past_key_values=None, attention
         if position_bias is None
         else {
             "alibi_slopes": slopes_on(self, _SLOPES, hidden_states.device),
-            "half_scores": HalfScores.ROUND_THEN_BIAS,
+            "half_scores": HalfScores.EAGER,
         }
     )
     out, probs = attend_packed(self, query, key, value, self.softmax_scale, **features)  # [1, N, H, D]
