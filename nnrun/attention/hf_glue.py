@@ -20,7 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from nnrun.attention.context import current_backend, current_position_ids, current_probs_plan
 from nnrun.attention.masks import selected_keys
 from nnrun.attention.probabilities import AttentionProbs
-from nnrun.attention.score_terms import ScoreTerms
+from nnrun.attention.score_terms import HalfScores, ScoreTerms
 
 ATTN_IMPLEMENTATION = "nnrun_paged"
 # An attention module may carry, under this key of its `__dict__`, a function `(module, position_ids) -> [N]`
@@ -79,6 +79,8 @@ def paged_attention_forward(
         chunk_size=attention_chunk_size(module),
         # ALiBi slopes are given only by nnrun's own classic-family adapters (attention/classic)
         alibi_slopes=kwargs.get("alibi_slopes"),
+        # HF runs a softcapped layer in its eager code (sdpa refuses softcaps), rounding as it goes
+        half_scores=HalfScores.EAGER if kwargs.get("softcap") is not None else kwargs.get("half_scores"),
         key_indices=None if picks is None else picks[0].long(),  # [N, K]
         relative_logits=relative_logits,
     )

@@ -3,9 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Callable
 
 import torch
+
+
+class HalfScores(Enum):
+    """Where HF's half-precision eager code rounds a layer's scores and probabilities to the model's dtype.
+
+    Float32 runs ignore it. Otherwise nnrun's scores stay float32, near what HF's sdpa gives; layers that
+    HF runs in its eager code (ALiBi's, softcapped ones) round where it rounds: at long prompts ALiBi's bias
+    is large (slope x position ~100), where one bf16 step is ~1 nat, and a softcap's tanh adds its own steps.
+    """
+
+    BIAS_THEN_ROUND = "bias then round"  # Bloom's baddbmm: bias at key positions rounded, plus scaled q.k, rounded once
+    EAGER = "eager"  # q.k, its scaling and softcap each rounded, then any bias in float32 (MPT, Gemma 2's softcap)
 
 
 @dataclass(frozen=True)
@@ -20,6 +33,7 @@ class ScoreTerms:
     chunk_size: int | None = None  # chunked attention: a query sees only keys of its own chunk (Llama 4)
     # ALiBi: [Hq] float32 slopes; `slope * (key_pos - query_pos)` joins each scaled score (Bloom, MPT, Falcon)
     alibi_slopes: torch.Tensor | None = None
+    half_scores: HalfScores | None = None  # how HF rounds the scores in half precision (Bloom, MPT, softcaps)
     # DSA sparse attention: [N, K] int64 request-local positions of each query's picked keys (-1: none);
     # a query sees only those of its causal keys
     key_indices: torch.Tensor | None = None

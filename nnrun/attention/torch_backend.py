@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from nnrun.attention.base import AttentionBackend
 from nnrun.attention.masks import alibi_bias, allowed_keys, relative_position_bias, selected_keys
-from nnrun.attention.score_terms import ScoreTerms
+from nnrun.attention.score_terms import HalfScores, ScoreTerms
 from nnrun.attention.step_layout import ExtendGroup, extend_groups, padded_decode_slots
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 
@@ -119,15 +119,16 @@ class TorchAttnBackend(AttentionBackend):
         kv_pos = torch.arange(keys.shape[1], device=q.device)  # [L]
         distance = kv_pos[None, :] - (meta.decode_seq_lens - 1)[:, None]  # [B, L] key_pos - query_pos
         if alibi_slopes is not None:
-            bias = alibi_bias(
-                alibi_slopes, keys.shape[2], distance[:, None, None, None, :].float()
-            )  # [B, Hkv, R, 1, L]
+            from_keys = _alibi_distance(terms, q.dtype, distance, kv_pos[None, :])  # [B or 1, L]
+            bias = alibi_bias(alibi_slopes, keys.shape[2], from_keys[:, None, None, None, :])  # [B, Hkv, R, 1, L]
         if relative_logits is not None:  # [B, Hq, E]: each request's one query
             relative = relative_position_bias(relative_logits[:, :, None], keys.shape[2], -distance[:, None, None])
             bias = relative if bias is None else bias + relative  # [B, Hkv, R, 1, L]
         if sinks is not None and sinks.dim() == 2:  # [B, Hq] one sink logit per request's query
             sinks = sinks[:, None]  # [B, 1, Hq]
-        out = _eager_attend(q[:, None], keys, values, allowed[:, None], terms.scaling, softcap, sinks, bias)
+        out = _eager_attend(
+            q[:, None], keys, values, allowed[:, None], terms.scaling, softcap, sinks, bias, terms.half_scores
+        )
         return out[:, 0]  # [B, 1, Hq, Dv] -> [B, Hq, Dv]
 
     def _step_heads_as_keys_mask(self, terms: ScoreTerms, allowed, num_q_heads: int, num_kv_heads: int) -> torch.Tensor:
@@ -227,7 +228,8 @@ def _attend(q, k, v, prefix_len, terms: ScoreTerms):
         kv_pos = torch.arange(kv_len, device=q.device)[None, :]  # [1, L]
         allowed = allowed_keys(q_pos, kv_pos, sliding_window, chunk_size)  # [n, L]
         if alibi_slopes is not None:
-            bias = alibi_bias(alibi_slopes, k.shape[2], (kv_pos - q_pos).float())  # [Hkv, R, n, L]
+            from_keys = _alibi_distance(terms, q.dtype, kv_pos - q_pos, kv_pos)  # [n or 1, L]
+            bias = alibi_bias(alibi_slopes, k.shape[2], from_keys)  # [Hkv, R, n or 1, L]
         if relative is not None:
             by_distance = relative_position_bias(relative.transpose(1, 2), k.shape[2], q_pos - kv_pos)
             bias = by_distance if bias is None else bias + by_distance  # [G, Hkv, R, n, L]
@@ -248,10 +250,38 @@ def _attend(q, k, v, prefix_len, terms: ScoreTerms):
         allowed = torch.ones((q_len, kv_len), dtype=torch.bool, device=q.device).tril()
     elif picks is not None:
         allowed = allowed[:, :, None]  # [G, 1, 1, n, L] against eager's [G, Hkv, R, n, L]
-    return _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias)
+    return _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias, terms.half_scores)
 
 
-def _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias=None):
+def _alibi_distance(
+    terms: ScoreTerms, dtype: torch.dtype, distance: torch.Tensor, kv_pos: torch.Tensor
+) -> torch.Tensor:
+    """Float32 positions ALiBi's slopes multiply: `key_pos - query_pos` (`distance`), shift-invariant per query row.
+
+    Bloom's HF bias is `slope * key_pos` rounded to the model's dtype, whose rounding depends on `key_pos`
+    itself: in half precision its bias is built at `kv_pos` (`[1, L]`) so that `_eager_attend` rounds as HF.
+    """
+    if terms.half_scores is HalfScores.BIAS_THEN_ROUND and dtype != torch.float32:
+        return kv_pos.float()
+    return distance.float()
+
+
+def _half_scores(qk, scaling, softcap, bias, half_scores: HalfScores | None, dtype: torch.dtype) -> torch.Tensor:
+    """Float32 scores: `qk * scaling`, ALiBi's `bias`, the softcap; rounded to `dtype` where HF's half-precision code does."""
+    if half_scores is None or dtype == torch.float32:
+        scores = qk * scaling
+        if bias is not None:
+            scores = scores + bias
+        return scores if softcap is None else torch.tanh(scores / softcap) * softcap
+    if half_scores is HalfScores.BIAS_THEN_ROUND:  # Bloom: one baddbmm of its rounded bias and the scaled q.k
+        return (bias.to(dtype).float() + qk * scaling).to(dtype).float()
+    scores = qk.to(dtype) * scaling  # HF eager: matmul, scaling and softcap each in the dtype
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores.float() if bias is None else scores.float() + bias  # MPT's bias joins in float32
+
+
+def _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias=None, half_scores: HalfScores | None = None):
     """HF eager's arithmetic in float32: score bias, softcap, mask, softmax with each head's sink logit, then values.
 
     q [G, n, Hq, D], k/v [G, L, Hkv, D], `allowed` and `bias` (float32: ALiBi's, relative logits') broadcast
@@ -262,11 +292,8 @@ def _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias=None):
     num_kv_heads = k.shape[2]
     group = num_q_heads // num_kv_heads
     grouped_q = q.view(num, q_len, num_kv_heads, group, head_dim)  # [G, n, Hkv, R, D]
-    scores = torch.einsum("bnkrd,blkd->bkrnl", grouped_q.float(), k.float()) * scaling  # [G, Hkv, R, n, L]
-    if bias is not None:
-        scores = scores + bias
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+    qk = torch.einsum("bnkrd,blkd->bkrnl", grouped_q.float(), k.float())  # [G, Hkv, R, n, L]
+    scores = _half_scores(qk, scaling, softcap, bias, half_scores, q.dtype)  # [G, Hkv, R, n, L]
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is None:
         probs = scores.softmax(dim=-1)
@@ -276,5 +303,7 @@ def _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias=None):
         else:
             sink_logits = sinks.float().view(num, q_len, num_kv_heads, group).permute(0, 2, 3, 1)[..., None]
         probs = torch.cat([scores, sink_logits], dim=-1).softmax(dim=-1)[..., :-1]
+    if half_scores is not None:  # HF's eager code weighs the values with probabilities in the model's dtype
+        probs = probs.to(q.dtype).float()
     out = torch.einsum("bkrnl,blkd->bnkrd", probs, v.float())  # [G, n, Hkv, R, Dv]
     return out.reshape(num, q_len, num_q_heads, -1).to(q.dtype)

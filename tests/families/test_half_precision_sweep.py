@@ -14,9 +14,6 @@ SAMPLE = ("llama", "qwen3_moe")  # RoPE, and an MoE on transformers' shared expe
 # precision than HF's bf16 code, which the load-time probe's short prompts do not resolve. Largest log-prob error
 # against HF alone at 256-300 tokens, where HF's own rounding (padded batch, cached decode) is 0-0.03.
 NOT_YET_HFS = {
-    "bloom": "ALiBi: HF adds its bias rounded to bf16 (a step of 1 at slope x position ~150), nnrun in fp32: 0.63",
-    "mpt": "ALiBi, as Bloom: 0.12",
-    "gemma2": "logit softcap and query_pre_attn_scalar: 0.15",
     "diffllama": "differential attention: 0.15",
     "flint": "0.11",
     "gpt_neox_japanese": "0.12",

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from nnrun.attention.classic.core import attend_packed, hf_file, in_engine_step, slopes_on
+from nnrun.attention.score_terms import HalfScores
 
 _SLOPES = "_nnrun_alibi_slopes"
 
@@ -43,7 +44,9 @@ def _forward(
     fused_qkv = self.query_key_value(hidden_states)  # [1, N, 3 * hidden]
     query, key, value = self._reshape(fused_qkv)  # 3 x [1, H, N, D]
     slopes = slopes_on(self, _SLOPES, hidden_states.device) * self.beta  # [H]
-    out, probs = attend_packed(self, query, key, value, self.inv_norm_factor, alibi_slopes=slopes)  # [1, N, H, D]
+    out, probs = attend_packed(
+        self, query, key, value, self.inv_norm_factor, alibi_slopes=slopes, half_scores=HalfScores.BIAS_THEN_ROUND
+    )  # [1, N, H, D]
     context = out.reshape(batch_size, q_length, self.num_heads * self.head_dim)  # what HF's `_merge_heads` gives
     if self.pretraining_tp > 1 and self.slow_but_exact:
         slices = self.hidden_size / self.pretraining_tp

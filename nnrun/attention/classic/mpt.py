@@ -11,6 +11,7 @@ import types
 import torch
 
 from nnrun.attention.classic.core import attend_packed, hf_file, in_engine_step, slopes_on
+from nnrun.attention.score_terms import HalfScores
 
 _SLOPES = "_nnrun_alibi_slopes"
 
@@ -32,7 +33,14 @@ def _forward(self, hidden_states, position_bias, past_key_values=None, attention
         states.reshape(batch_size, seq_length, self.n_heads, self.head_dim).transpose(1, 2)
         for states in mixed_qkv.chunk(3, dim=2)
     )  # 3 x [1, H, N, D]
-    features = {} if position_bias is None else {"alibi_slopes": slopes_on(self, _SLOPES, hidden_states.device)}
+    features = (
+        {}
+        if position_bias is None
+        else {
+            "alibi_slopes": slopes_on(self, _SLOPES, hidden_states.device),
+            "half_scores": HalfScores.EAGER,
+        }
+    )
     out, probs = attend_packed(self, query, key, value, self.softmax_scale, **features)  # [1, N, H, D]
     context = out.reshape(batch_size, seq_length, -1)  # [1, N, hidden]
     return self.out_proj(context), probs
