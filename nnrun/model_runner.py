@@ -203,24 +203,27 @@ class ModelRunner(KVPoolSetup):
         return any(module._forward_hooks or module._forward_pre_hooks for module in self._modules)
 
     def _replays_graph(self, forward_batch: ForwardBatch) -> bool:
+        return self._graphs_fit(forward_batch) and self.can_use_cuda_graph(forward_batch)
+
+    def _graphs_fit(self, forward_batch: ForwardBatch) -> bool:
+        """Whether the captured decode graphs can serve this step's batch size and kernels (watchers aside)."""
         graphs = self.graph_runner
         return (
             graphs is not None
-            and self.can_use_cuda_graph(forward_batch)
             and graphs.padded_batch_size(forward_batch.batch_size) is not None
             and self.attention_backend_for(forward_batch) is graphs.backend
         )
 
     def _piece_gate(self, forward_batch: ForwardBatch) -> PieceGate | None:
-        """The gate of a decode step that runs in decoder-layer pieces, or None (the whole step eager)."""
-        pieces = self.graph_pieces
+        """The gate of a decode step that runs in decoder-layer pieces, or None (the whole step eager).
+
+        The base runner's graph conditions (a decode step, no attention probabilities, no module hooks),
+        not a subclass's: a subclass refuses whole-step graphs for the very steps pieces serve.
+        """
         if (
-            pieces is None
-            or forward_batch.forward_mode is not ForwardMode.DECODE
-            or forward_batch.attention_probs_rows
-            or pieces.graphs.padded_batch_size(forward_batch.batch_size) is None
-            or self.attention_backend_for(forward_batch) is not pieces.graphs.backend
-            or self._has_module_hooks()
+            self.graph_pieces is None
+            or not self._graphs_fit(forward_batch)
+            or not ModelRunner.can_use_cuda_graph(self, forward_batch)
         ):
             return None
         return self.piece_gate(forward_batch)
