@@ -39,6 +39,20 @@ class GenerationSetup:
     num_layers: int
     vector: torch.Tensor  # [H] the steering vector, on the model's device and dtype
 
+    @classmethod
+    def for_model(
+        cls, config: Any, prompt_ids: list[list[int]], new_tokens: int, device: Any = None, dtype: Any = None
+    ) -> GenerationSetup:
+        """The rows' setup for a model of `config`: its middle layer, and a fixed ramp as the steering vector."""
+        return cls(
+            prompts=word_prompts(prompt_ids),
+            prompt_ids=prompt_ids,
+            new_tokens=new_tokens,
+            layer=config.num_hidden_layers // 2,
+            num_layers=config.num_hidden_layers,
+            vector=torch.linspace(-0.5, 0.5, config.hidden_size, device=device, dtype=dtype),
+        )
+
     @property
     def num_values(self) -> int:
         """(request, step) pairs of one generation: one saved value per layer read."""

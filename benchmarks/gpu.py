@@ -244,13 +244,8 @@ def run_interventions(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[flo
     tokenizer = generation_rows.word_tokenizer(config.vocab_size)
     low, high = args.gen_prompt_lens
     prompt_ids = random_prompts(args.gen_prompts, low, high, config.vocab_size, seed=35)
-    setup = generation_rows.GenerationSetup(
-        prompts=generation_rows.word_prompts(prompt_ids),
-        prompt_ids=prompt_ids,
-        new_tokens=args.gen_tokens,
-        layer=config.num_hidden_layers // 2,
-        num_layers=config.num_hidden_layers,
-        vector=torch.linspace(-0.5, 0.5, config.hidden_size, device=args.device, dtype=model.dtype),
+    setup = generation_rows.GenerationSetup.for_model(
+        config, prompt_ids, args.gen_tokens, device=args.device, dtype=model.dtype
     )
     ours = nnrun.LanguageModel(
         model,

@@ -319,14 +319,7 @@ def run_generation(args) -> None:
     model.generation_config.eos_token_id = None
     tokenizer = generation_rows.word_tokenizer(config.vocab_size)
     prompt_ids = random_prompts(args.gen_prompts, 16, 48, config.vocab_size, seed=35)
-    setup = generation_rows.GenerationSetup(
-        prompts=generation_rows.word_prompts(prompt_ids),
-        prompt_ids=prompt_ids,
-        new_tokens=args.gen_tokens,
-        layer=config.num_hidden_layers // 2,
-        num_layers=config.num_hidden_layers,
-        vector=torch.linspace(-0.5, 0.5, config.hidden_size),
-    )
+    setup = generation_rows.GenerationSetup.for_model(config, prompt_ids, args.gen_tokens)
     hf_model = copy.deepcopy(model).to(args.device)
     oracle = nnsight.LanguageModel(hf_model, tokenizer=tokenizer)
     ours = nnrun.LanguageModel(model, tokenizer=tokenizer, device=args.device)
