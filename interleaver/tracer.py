@@ -73,7 +73,7 @@ class NNrunTracer(InterleavingTracer):
     def barrier(self, n: int) -> Any:
         """nnsight's barrier; refused where each prompt has its own forward (nnrun's exact path)."""
         engine = getattr(self.envoy, "engine", None)
-        if engine is not None and engine.runner.exact_forward is not None:
+        if engine is not None and not engine.runner.path.packs_requests:
             raise ValueError(
                 f"tracer.barrier() makes invokes meet inside one forward, but {family_of(engine.model)} runs on "
                 "nnrun's exact path, where each prompt has its own forward; share values without a barrier (a later "

@@ -5,30 +5,22 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 from torch.nn.modules import module as nn_module
 
-from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBackend, forward_context, hf_masks_skipped
+from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBackend
 from nnrun.attention.classic import adapt_classic_attention
-from nnrun.attention.indexer import IndexerKeyPool, adapt_indexers, serve_indexers
-from nnrun.attention.probabilities import AttentionProbsPlan
+from nnrun.attention.indexer import IndexerKeyPool, adapt_indexers
 from nnrun.attention.selection import create_attention_backend
 from nnrun.config import EngineConfig
 from nnrun.cuda_graph import CudaGraphCapturer, DecodeGraphRunner, GraphCapturer, default_batch_sizes
 from nnrun.exact import FORCED_REASON, HFForward, choose_exact_forward, packed_layers
-from nnrun.forward_batch import (
-    OUTPUT_ATTENTIONS_ARG,
-    ForwardBatch,
-    ForwardMode,
-    decode_forward_batch,
-    is_decode_step,
-    next_decode_forward_batch,
-    packed_forward_batch,
-)
+from nnrun.forward_batch import OUTPUT_ATTENTIONS_ARG, ForwardBatch, ForwardMode
+from nnrun.forward_path import ExactPath, ForwardPath, PackedPath
 from nnrun.graph_pieces import DecoderLayerPieces, PieceGate, capture_decoder_layer_pieces
 from nnrun.loader import load_model, max_context_len, packed_unfit_reason
 from nnrun.memory import hold_kv, release_kv
@@ -39,7 +31,7 @@ from nnrun.request import Request
 from nnrun.runner_memory import KVPoolSetup
 from nnrun.sampler import Sampler, SamplerOutput, SamplingRow
 from nnrun.sampling_params import SamplingParams
-from nnrun.state import StatePool, serve_states, state_pool_for
+from nnrun.state import StatePool, state_pool_for
 
 logger = logging.getLogger(__name__)
 
@@ -61,18 +53,15 @@ class ModelRunner(KVPoolSetup):
 
     attn_implementation: str = ATTN_IMPLEMENTATION  # the name the model's config keeps for its attention (load_model)
 
-    state_pool: StatePool | None = None  # per-request recurrent state of mixer layers (nnrun/state), if any
-    indexer_keys: IndexerKeyPool | None = None  # sparse-attention indexers' keys, beside the KV (attention/indexer)
-
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device.device)
         self.sampler = Sampler()
         self.step_lock = threading.RLock()  # one forward at a time: engine steps and run_prefill_only
         self.eos_token_ids: set[int] = set()  # set by the engine; used for min_tokens
-        self.graph_runner: DecodeGraphRunner | None = None  # decode CUDA graphs, once captured
-        self.graph_pieces: DecoderLayerPieces | None = None  # the same, one graph per decoder layer (graph_pieces)
-        self.exact_forward: HFForward | None = None  # set when the model runs on the exact path (nnrun/exact)
+        # How each step runs forward (nnrun/forward_path.py): load_model gives the packed path the model's
+        # pools, choose_forward_path keeps it or takes the exact path, init_cuda_graphs adds its graphs.
+        self.path: ForwardPath = PackedPath()
 
     # ---- lifecycle -------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -92,11 +81,12 @@ class ModelRunner(KVPoolSetup):
         self.attn_implementation = self.model.config._attn_implementation
         adapt_positions(self.model)  # modules that number positions themselves take each request's own
         # Mixer layers (state-space, linear attention) run per request on a state pool row beside each request's KV.
-        self.state_pool = state_pool_for(self.model, self.config.scheduler.max_num_seqs + 1, self.device)
+        state_pool = state_pool_for(self.model, self.config.scheduler.max_num_seqs + 1, self.device)
         adapt_classic_attention(self.model)  # families whose attention is their own code (GPT-J, Bloom, ...)
         # DSA sparse attention (DeepSeek-V3.2 and kin): each request's indexer picks from its own keys, kept paged
         indexers = adapt_indexers(self.model)
-        self.indexer_keys = IndexerKeyPool(indexers, self.dtype, self.device) if indexers else None
+        indexer_keys = IndexerKeyPool(indexers, self.dtype, self.device) if indexers else None
+        self.path = PackedPath(state_pool=state_pool, indexer_keys=indexer_keys)  # until the probe says otherwise
         self.layers: list[AttentionLayerInfo] = []
         # Why the packed path cannot serve this model, known before any packed step runs (None: ask the probe).
         self.packed_unfit: str | None = (
@@ -117,10 +107,10 @@ class ModelRunner(KVPoolSetup):
         a model whose own HF forward fails is refused here, naming its family.
         """
         with self.step_lock:
-            self.exact_forward = choose_exact_forward(self, self.packed_unfit)
-        if self.exact_forward is None:
-            return
-        self.state_pool = self.indexer_keys = None  # HF's own caches hold the states and indexer keys there
+            hf = choose_exact_forward(self, self.packed_unfit)
+        if hf is None:
+            return  # load_model's packed path serves it
+        self.path = ExactPath(hf)  # HF's own caches hold the states and indexer keys there
         if self.layers:  # the probe rejected it: no paged KV is needed
             self.layers = []
             self._build_kv_cache(self.allocator.num_pages)
@@ -128,15 +118,34 @@ class ModelRunner(KVPoolSetup):
 
     def forward_groups(self, reqs: list[Request]) -> list[list[Request]]:
         """The forwards a step's requests run in: one packed forward, or one per request on the exact path."""
-        if self.exact_forward is None:
-            return [reqs]
-        self.exact_forward.forget_released()  # preempted since the last step: their HF caches go with their pages
-        return [[req] for req in reqs]
+        return self.path.forward_groups(reqs)
+
+    # Read-only views of the path, for callers that read them (tests, benchmarks)
+    @property
+    def exact_forward(self) -> HFForward | None:
+        """The exact path's HF forward, or None on the packed path."""
+        return self.path.hf if isinstance(self.path, ExactPath) else None
+
+    @property
+    def graph_runner(self) -> DecodeGraphRunner | None:
+        return self.path.graphs
+
+    @property
+    def graph_pieces(self) -> DecoderLayerPieces | None:
+        return self.path.pieces
+
+    @property
+    def state_pool(self) -> StatePool | None:
+        return self.path.state_pool
+
+    @property
+    def indexer_keys(self) -> IndexerKeyPool | None:
+        return self.path.indexer_keys
 
     def _build_kv_cache(self, num_pages: int) -> None:
         super()._build_kv_cache(num_pages)
-        if self.indexer_keys is not None and self.layers:  # without layers (the exact path), HF's cache keeps them
-            self.indexer_keys.allocate(self.kv_pool)
+        if self.path.indexer_keys is not None and self.layers:  # no layers: the probe's layer check failed
+            self.path.indexer_keys.allocate(self.kv_pool)
 
     def init_attention_backend(self) -> None:
         self.attn_backend: AttentionBackend = create_attention_backend(
@@ -157,12 +166,9 @@ class ModelRunner(KVPoolSetup):
 
         `capturer` stands in for CUDA's graph capture (the CPU tests pass a recording one).
         """
-        self.graph_runner = None
-        if self.graph_pieces is not None:
-            self.graph_pieces.remove()
-            self.graph_pieces = None
-        if not self.config.device.enable_cuda_graphs or self.exact_forward is not None or self.state_pool is not None:
-            return  # a replay would not run the mixers' per-request Python (nnrun/state)
+        self.path.release_graphs()
+        if not self.config.device.enable_cuda_graphs or not self.path.takes_graphs:
+            return
         if capturer is None:
             if self.device.type != "cuda":
                 return
@@ -174,7 +180,7 @@ class ModelRunner(KVPoolSetup):
             return
         sizes = self.config.device.cuda_graph_batch_sizes or default_batch_sizes(self.config.scheduler.max_num_seqs)
         with self.step_lock:
-            self.graph_runner = DecodeGraphRunner(
+            self.path.graphs = DecodeGraphRunner(
                 self.model, self.device, self.kv_pool.trash_slot, self.attn_backend, sizes, capturer
             )
             # Decided once: pieces for a runner whose steps may be watched, on one process (not tensor-parallel ranks)
@@ -183,7 +189,7 @@ class ModelRunner(KVPoolSetup):
                 and self.config.device.cuda_graph_pieces
                 and self.config.parallel.tensor_parallel_size == 1
             ):
-                self.graph_pieces = capture_decoder_layer_pieces(self.model, self.graph_runner, capturer)
+                self.path.pieces = capture_decoder_layer_pieces(self.model, self.path.graphs, capturer)
 
     def can_use_cuda_graph(self, forward_batch: ForwardBatch) -> bool:
         """Whether this step may replay a captured graph: a decode step nothing watches.
@@ -242,9 +248,7 @@ class ModelRunner(KVPoolSetup):
 
     def shutdown(self) -> None:
         """Free the pools; called on the engine thread as it ends (by `LLM.shutdown` if none ran)."""
-        if self.graph_pieces is not None:
-            self.graph_pieces.remove()  # the caller's model gets its layers' own classes back
-        self.graph_runner = self.graph_pieces = None
+        self.path.release_graphs()  # the caller's model gets its layers' own classes back
         self.kv_pool = None
         self.attn_backend = None
 
@@ -262,11 +266,7 @@ class ModelRunner(KVPoolSetup):
         return self._prepare_forward_batch(reqs, ForwardMode.EXTEND)
 
     def prepare_forward_batch_decode(self, reqs: list[Request]) -> ForwardBatch:
-        if self.exact_forward is not None:
-            return self._prepare_forward_batch(reqs, ForwardMode.DECODE)
-        if reqs and is_decode_step(reqs):
-            return decode_forward_batch(reqs, self.req_to_token_pool.req_to_token, self.allocator.page_size)
-        return self._prepare_forward_batch(reqs, ForwardMode.DECODE)  # mislabelled: the backend's planner refuses it
+        return self.path.decode_batch(self, reqs)
 
     def advance_decode_batch(self, previous: ForwardBatch, next_token_ids: torch.Tensor) -> ForwardBatch:
         """The decode step after `previous`, for its requests each one token (`next_token_ids`, [B]) further.
@@ -274,28 +274,11 @@ class ModelRunner(KVPoolSetup):
         The engine calls this only when nothing else changed between the two steps (its decode chain);
         the layout is what `prepare_forward_batch_decode` builds, updated in whole-batch ops.
         """
-        if self.exact_forward is not None or previous.req_pool_indices is None:
-            return self.prepare_forward_batch_decode(previous.reqs)
-        return next_decode_forward_batch(
-            previous, next_token_ids, self.req_to_token_pool.req_to_token, self.allocator.page_size
-        )
+        return self.path.next_decode_batch(self, previous, next_token_ids)
 
     def _prepare_forward_batch(self, reqs: list[Request], mode: ForwardMode) -> ForwardBatch:
         """Every uncached token of each request (no chunking); the scheduler has allocated the pages."""
-        if self.exact_forward is not None:  # one request per forward (`forward_groups`)
-            if len(reqs) != 1:
-                raise RuntimeError(f"the exact path runs one request per forward, got {len(reqs)}")
-            return self.exact_forward.forward_batch(
-                reqs[0], self._wants_prompt_logits(reqs[0]), self.keeps_all_logits(reqs[0])
-            )
-        return packed_forward_batch(
-            reqs,
-            mode,
-            self.req_to_token_pool.req_to_token,
-            self.allocator.page_size,
-            [self._wants_prompt_logits(req) for req in reqs],
-            [self.keeps_all_logits(req) for req in reqs],
-        )
+        return self.path.forward_batch(self, reqs, mode)
 
     def packed_step(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         """The base class's packed step, whatever a subclass does around it (the load-time probe runs it)."""
@@ -317,7 +300,7 @@ class ModelRunner(KVPoolSetup):
         run on, and a watcher would see them. Subclasses whose requests are watched per step say no as well.
         """
         return (
-            self.exact_forward is None
+            self.path.packs_requests
             and not any(req.extra_args.get(OUTPUT_ATTENTIONS_ARG) for req in reqs)
             and not self._has_module_hooks()
         )
@@ -337,42 +320,8 @@ class ModelRunner(KVPoolSetup):
         return self.process_logits(logits, forward_batch)
 
     def run_model(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        if self.exact_forward is not None:
-            with self.grad_context(forward_batch):
-                logits, self.output_type = self.exact_forward.run(forward_batch)  # [R, V]
-            return logits
-        self._ensure_paged_attention()
-        if self._replays_graph(forward_batch):
-            return self.graph_runner.replay(forward_batch)  # [B, V]: a decode step keeps every row
-        gate = self._piece_gate(forward_batch)
-        # Pieces read the graph buffers (planned first); the eager parts the step's ordinary plan.
-        pieces = (
-            nullcontext() if gate is None else self.graph_pieces.step(self.graph_runner.load_step(forward_batch), gate)
-        )
-        backend = self.attention_backend_for(forward_batch)
-        backend.init_forward_metadata(forward_batch)
-        # None unless a request of the step asked for attention probabilities
-        probs_plan = AttentionProbsPlan.for_batch(forward_batch, self.device, self.gather_heads)
-        position_ids = forward_batch.positions.to(self.device)[None]  # [1, N]
-        logits_indices = forward_batch.logits_indices.to(self.device)  # [R]
-        with (
-            forward_context(backend, probs_plan, position_ids),
-            hf_masks_skipped(self.model),
-            self.grad_context(forward_batch),
-            serve_states(self.state_pool, forward_batch),
-            serve_indexers(self.indexer_keys, forward_batch, self.device),
-            pieces,
-        ):
-            output = self.model(
-                input_ids=forward_batch.input_ids.to(self.device)[None],
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=logits_indices,
-            )
-        self.output_type = type(output)  # the model's own output class (GPT-2's differs from Llama's)
-        if self.returns_every_position:  # [N, V]: take the step's rows
-            return output.logits[0].index_select(0, logits_indices)
-        return output.logits[0]
+        """The step's forward on the model's path -> logits `[R, V]`."""
+        return self.path.run(self, forward_batch)
 
     def _ensure_paged_attention(self) -> None:
         """Someone switched the model's attention (a shared config, set_attn_implementation): switch back.
@@ -447,8 +396,7 @@ class ModelRunner(KVPoolSetup):
 
     def finish_requests(self, reqs: list[Request]) -> None:
         """Called by the engine once requests have finished; subclasses collect per-request results."""
-        if self.exact_forward is not None:
-            self.exact_forward.forget([req.request_id for req in reqs])
+        self.path.forget([req.request_id for req in reqs])
 
     # ---- extraction -----------------------------------------------------------------------
     def run_prefill_only(self, token_id_lists: list[list[int]]) -> ForwardBatch:
@@ -457,7 +405,7 @@ class ModelRunner(KVPoolSetup):
         Module hooks registered by the caller see the flat `[1, N, ...]` values; prompt i owns
         tokens `extend_start_loc[i] : extend_start_loc[i] + extend_seq_lens[i]`.
         """
-        if self.exact_forward is not None and len(token_id_lists) > 1:
+        if not self.path.packs_requests and len(token_id_lists) > 1:
             raise ValueError(
                 f"this model runs on the exact path (one HF forward per prompt): run_prefill_only "
                 f"takes one prompt at a time there, got {len(token_id_lists)}"
@@ -481,8 +429,7 @@ class ModelRunner(KVPoolSetup):
         finally:
             for req in reqs:
                 self.release_kv(req)
-            if self.exact_forward is not None:
-                self.exact_forward.forget([req.request_id for req in reqs])
+            self.path.forget([req.request_id for req in reqs])
 
     def _hold_kv(self, req: Request) -> None:
         if not 0 < req.num_tokens <= self.req_to_token_pool.max_context_len:

@@ -99,7 +99,7 @@ class ExtractionJob:
         self.length_policy = LengthPolicy(min(user_limit, model_limit), user_limit <= model_limit, options.truncate)
         self.batch_tokens = min(llm.config.scheduler.max_num_batched_tokens, self.runner.max_total_tokens)
         # The exact path runs one HF forward per prompt: a forward's values are one prompt's.
-        self.batch_prompts = 1 if llm.runner.exact_forward is not None else llm.config.scheduler.max_num_seqs
+        self.batch_prompts = llm.config.scheduler.max_num_seqs if llm.runner.path.packs_requests else 1
         self.page_size = self.runner.allocator.page_size
         self.can_stop_early = False  # set once a complete forward shows the runner packs prompts in order
 

@@ -175,7 +175,7 @@ def run_rank(spec: RankSpec, conn: Connection, parent_pid: int) -> None:
     _exit_when_orphaned(parent_pid)
     try:
         runner = _start(spec)
-        graphs = runner.graph_runner
+        graphs = runner.path.graphs
         info = {
             "layers": runner.layers,
             "num_pages": runner.kv_pool.num_pages,
