@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from nnrun.attention import forward_context, hf_masks_skipped
+from nnrun.attention import AttentionBackend, forward_context, hf_masks_skipped
 from nnrun.attention.indexer import IndexerKeyPool, serve_indexers
 from nnrun.attention.probabilities import AttentionProbsPlan
 from nnrun.cuda_graph import DecodeGraphRunner
@@ -100,6 +100,8 @@ class PackedPath(ForwardPath):
     indexer_keys: IndexerKeyPool | None = None
     graphs: DecodeGraphRunner | None = None
     pieces: DecoderLayerPieces | None = None
+    # The backend of every step (the probe's torch-attention candidate); None: `runner.attention_backend_for`
+    backend: AttentionBackend | None = None
 
     name: ClassVar[str] = "packed"
     packs_requests: ClassVar[bool] = True
@@ -145,7 +147,7 @@ class PackedPath(ForwardPath):
         gate = runner._piece_gate(forward_batch)
         # Pieces read the graph buffers (planned first); the eager parts the step's ordinary plan.
         pieces = nullcontext() if gate is None else self.pieces.step(self.graphs.load_step(forward_batch), gate)
-        backend = runner.attention_backend_for(forward_batch)
+        backend = runner.attention_backend_for(forward_batch) if self.backend is None else self.backend
         backend.init_forward_metadata(forward_batch)
         # None unless a request of the step asked for attention probabilities
         probs_plan = AttentionProbsPlan.for_batch(forward_batch, runner.device, runner.gather_heads)

@@ -107,7 +107,7 @@ class ModelRunner(KVPoolSetup):
         a model whose own HF forward fails is refused here, naming its family.
         """
         with self.step_lock:
-            hf = choose_exact_forward(self, self.packed_unfit)
+            hf = choose_exact_forward(self, self.path, self.packed_unfit)
         if hf is None:
             return  # load_model's packed path serves it
         self.path = ExactPath(hf)  # HF's own caches hold the states and indexer keys there
@@ -280,13 +280,10 @@ class ModelRunner(KVPoolSetup):
         """Every uncached token of each request (no chunking); the scheduler has allocated the pages."""
         return self.path.forward_batch(self, reqs, mode)
 
-    def packed_step(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        """The base class's packed step, whatever a subclass does around it (the load-time probe runs it)."""
-        return ModelRunner.forward(self, forward_batch)
-
-    def packed_decode_batch(self, reqs: list[Request]) -> ForwardBatch:
-        """The base class's decode layout for `reqs` (the load-time probe's decode step)."""
-        return ModelRunner.prepare_forward_batch_decode(self, reqs)
+    def packed_step(self, forward_batch: ForwardBatch, path: PackedPath | None = None) -> LogitsProcessorOutput:
+        """A packed step on `path` (the load-time probe's candidates; default the runner's own), whatever a
+        subclass does around a step."""
+        return self.process_logits((self.path if path is None else path).run(self, forward_batch), forward_batch)
 
     def keeps_all_logits(self, req: Request) -> bool:
         """Whether `req` keeps every new token's logits this step (a seam: the nnsight runner's traces do)."""

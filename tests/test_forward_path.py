@@ -49,7 +49,9 @@ def choices(monkeypatch) -> list:
     calls: list = []
     probe = model_runner.choose_exact_forward
     monkeypatch.setattr(
-        model_runner, "choose_exact_forward", lambda runner, unfit: calls.append(unfit) or probe(runner, unfit)
+        model_runner,
+        "choose_exact_forward",
+        lambda runner, packed, unfit: calls.append(unfit) or probe(runner, packed, unfit),
     )
     return calls
 

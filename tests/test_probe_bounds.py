@@ -74,7 +74,7 @@ def test_the_configured_kernels_are_checked_after_the_model(fake, monkeypatch):
     with nnrun.LLM(tiny_llama(), dtype=torch.float32) as llm:
         use_flashinfer(llm)
         prompts, references = probe(llm)
-        assert packed_path_difference(llm.runner, prompts, references) is None
+        assert packed_path_difference(llm.runner, llm.runner.path, prompts, references) is None
 
         original = flashinfer_backend.plan_forward_batch
 
@@ -84,6 +84,6 @@ def test_the_configured_kernels_are_checked_after_the_model(fake, monkeypatch):
             return plan
 
         monkeypatch.setattr(flashinfer_backend, "plan_forward_batch", swapped_pages)
-        reason = packed_path_difference(llm.runner, prompts, references)
+        reason = packed_path_difference(llm.runner, llm.runner.path, prompts, references)
         assert reason is not None and reason.endswith("on the flashinfer attention kernels"), reason
         assert llm.runner.attn_backend.name == "flashinfer"  # the probe gave the configured backend back

@@ -76,9 +76,9 @@ def test_dummy_weights_get_hfs_keep_in_fp32_plan():
 def bf16_positions(packed_step):
     """A packed step whose position ids went through bf16: exact up to 256, off by up to 8 near 4096."""
 
-    def step(self, forward_batch):
+    def step(self, forward_batch, path=None):
         rounded = forward_batch.positions.to(torch.bfloat16).to(torch.int64)
-        return packed_step(self, type(forward_batch)(**{**vars(forward_batch), "positions": rounded}))
+        return packed_step(self, type(forward_batch)(**{**vars(forward_batch), "positions": rounded}), path)
 
     return step
 

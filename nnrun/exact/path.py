@@ -25,6 +25,7 @@ from nnrun.state.mixers import adapted_mixer_layer_ids
 from nnrun.state.placeholders import feed_forward_layer_ids, with_state_placeholders
 
 if TYPE_CHECKING:
+    from nnrun.forward_path import PackedPath
     from nnrun.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -57,8 +58,8 @@ def packed_layers(model: torch.nn.Module, device: torch.device) -> tuple[list[At
     return with_state_placeholders(layers), None
 
 
-def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFForward | None:
-    """Probe the model; return the exact path's HF forward if the packed path must not serve it, else None.
+def choose_exact_forward(runner: "ModelRunner", packed: "PackedPath", packed_unfit: str | None) -> HFForward | None:
+    """Probe the model; return the exact path's HF forward if the `packed` path must not serve it, else None.
 
     Raises `ModelRefusedError` for a model whose dtypes are not those HF's own loading gives it, or
     whose own HF forward fails on a plain prompt.
@@ -77,7 +78,7 @@ def choose_exact_forward(runner: "ModelRunner", packed_unfit: str | None) -> HFF
     prompts = _probe_prompts(runner, hf, packed_unfit)
     with attention_implementation(model, own_attention(model)):
         references = hf_references(hf, prompts, family)
-    reason = packed_unfit or packed_path_difference(runner, prompts, references)
+    reason = packed_unfit or packed_path_difference(runner, packed, prompts, references)
     if reason is None:
         return None
     log = logger.info if reason == FORCED_REASON else logger.warning

@@ -16,9 +16,8 @@ something differed, to say what) one packed prefill per prompt alone.
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +27,7 @@ from nnrun.hf_dtypes import dtype_departures
 from nnrun.memory import hold_kv
 
 if TYPE_CHECKING:
+    from nnrun.forward_path import PackedPath
     from nnrun.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -258,59 +258,51 @@ def _refusal(family: str, prompts: list[ProbePrompt], error: BaseException) -> M
 
 
 def packed_path_difference(
-    runner: "ModelRunner", prompts: list[ProbePrompt], references: list[Reference]
+    runner: "ModelRunner", packed: "PackedPath", prompts: list[ProbePrompt], references: list[Reference]
 ) -> str | None:
-    """What differs between the packed path and HF on the probe prompts, or None if nothing does.
+    """What differs between the `packed` path and HF on the probe prompts, or None if nothing does.
 
-    The model is checked with the torch attention backend, whose math is HF's own (in half precision
-    too), at the tight bound: what the packed layout gets wrong (positions, masks, sinks, states
-    crossing requests) shows there. The configured kernels (FlashInfer) are then checked at the bound
-    two half-precision kernels' rounding allows, which a wrong page or mask still exceeds.
+    The model is checked on a copy of the path with the torch attention backend, whose math is HF's own
+    (in half precision too), at the tight bound: what the packed layout gets wrong (positions, masks,
+    sinks, states crossing requests) shows there. The path itself, on the configured kernels (FlashInfer),
+    is then checked at the bound two half-precision kernels' rounding allows, which a wrong page or mask
+    still exceeds.
     """
-    with torch_attention(runner):
-        reason = _steps_difference(runner, prompts, references, relative_tolerance(runner.dtype, references))
+    on_torch = replace(packed, backend=runner.torch_attention_backend())
+    reason = _steps_difference(runner, on_torch, prompts, references, relative_tolerance(runner.dtype, references))
     if reason is None and runner.attn_backend is not runner.torch_attention_backend():
-        reason = _steps_difference(runner, prompts, references, kernel_tolerance(runner.dtype, references))
+        reason = _steps_difference(runner, packed, prompts, references, kernel_tolerance(runner.dtype, references))
         if reason is not None:
             reason += f" on the {runner.attn_backend.name} attention kernels"
     return reason
 
 
 def _steps_difference(
-    runner: "ModelRunner", prompts: list[ProbePrompt], references: list[Reference], rtol: float
+    runner: "ModelRunner", path: "PackedPath", prompts: list[ProbePrompt], references: list[Reference], rtol: float
 ) -> str | None:
     """The prompts from position 0 packed in one step, then each high-position prompt in a step of its own."""
     steps = [[i for i, p in enumerate(prompts) if not p.first_position]]
     steps += [[i] for i, p in enumerate(prompts) if p.first_position]
     for step in steps:
-        reason = _difference(runner, [prompts[i] for i in step], [references[i] for i in step], rtol) if step else None
+        reason = (
+            _difference(runner, path, [prompts[i] for i in step], [references[i] for i in step], rtol) if step else None
+        )
         if reason is not None:
             return reason
     return None
 
 
-@contextmanager
-def torch_attention(runner: "ModelRunner") -> Iterator[None]:
-    """The runner's packed steps use the pure-torch backend over the same KV pool, for the probe only."""
-    configured = runner.attn_backend
-    runner.attn_backend = runner.torch_attention_backend()
-    try:
-        yield
-    finally:
-        runner.attn_backend = configured
-
-
 def _difference(
-    runner: "ModelRunner", prompts: list[ProbePrompt], references: list[Reference], rtol: float
+    runner: "ModelRunner", path: "PackedPath", prompts: list[ProbePrompt], references: list[Reference], rtol: float
 ) -> str | None:
     try:
-        prefills, decodes = _run_packed(runner, prompts)
+        prefills, decodes = _run_packed(runner, path, prompts)
     except Exception as error:  # a packed step that fails is a packed path that cannot serve this model
         return f"the packed forward fails ({type(error).__name__}: {error})"
     for prompt, reference, prefill, decode in zip(prompts, references, prefills, decodes):
         error = differs(prefill, reference.prefill[-prefill.shape[0] :], rtol)
         if error is not None:
-            alone = _run_packed(runner, [prompt], with_decode=False, last_only=prefill.shape[0] == 1)[0][0]
+            alone = _run_packed(runner, path, [prompt], with_decode=False, last_only=prefill.shape[0] == 1)[0][0]
             where = (
                 "even alone"
                 if differs(alone, reference.prefill[-alone.shape[0] :], rtol) is not None
@@ -330,7 +322,11 @@ def _difference(
 
 
 def _run_packed(
-    runner: "ModelRunner", prompts: list[ProbePrompt], with_decode: bool = True, last_only: bool = False
+    runner: "ModelRunner",
+    path: "PackedPath",
+    prompts: list[ProbePrompt],
+    with_decode: bool = True,
+    last_only: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per prompt: packed prefill logits and (with_decode) the packed decode step's `[V]`.
 
@@ -347,7 +343,7 @@ def _run_packed(
             runner.allocator.page_size,
             [not last_only and (len(reqs) == 1 or row != 1) for row in range(len(reqs))],
         )
-        output = runner.packed_step(_at_first_positions(forward_batch, prompts))
+        output = runner.packed_step(_at_first_positions(forward_batch, prompts), path)
         for row, prompt_logits in enumerate(output.prompt_logits or [None] * len(reqs)):
             last = output.next_token_logits[row : row + 1]  # [1, V]
             prefills.append(last if prompt_logits is None else torch.cat([prompt_logits, last]))
@@ -358,8 +354,8 @@ def _run_packed(
             req.output_token_ids.append(prompt.next_token_id)
             if not hold_kv(req, req.num_tokens, runner.allocator, runner.req_to_token_pool):
                 raise RuntimeError("the KV pool cannot hold the exactness probe's prompts")
-        decode_batch = _at_first_positions(runner.packed_decode_batch(reqs), prompts)
-        decodes = list(runner.packed_step(decode_batch).next_token_logits)
+        decode_batch = _at_first_positions(path.decode_batch(runner, reqs), prompts)
+        decodes = list(runner.packed_step(decode_batch, path).next_token_logits)
     return prefills, decodes
 
 
