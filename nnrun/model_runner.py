@@ -144,7 +144,7 @@ class ModelRunner(KVPoolSetup):
 
     def _build_kv_cache(self, num_pages: int) -> None:
         super()._build_kv_cache(num_pages)
-        if self.path.indexer_keys is not None and self.layers:  # no layers: the probe's layer check failed
+        if self.path.indexer_keys is not None and self.layers:  # no layers: bound for the exact path, HF caches them
             self.path.indexer_keys.allocate(self.kv_pool)
 
     def init_attention_backend(self) -> None:
