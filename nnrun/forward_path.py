@@ -126,7 +126,7 @@ class PackedPath(ForwardPath):
     def decode_batch(self, runner: ModelRunner, reqs: list[Request]) -> ForwardBatch:
         if reqs and is_decode_step(reqs):
             return decode_forward_batch(reqs, runner.req_to_token_pool.req_to_token, runner.allocator.page_size)
-        return runner._prepare_forward_batch(reqs, ForwardMode.DECODE)  # mislabelled: the backend's planner refuses it
+        return self.forward_batch(runner, reqs, ForwardMode.DECODE)  # mislabelled: the backend's planner refuses it
 
     def next_decode_batch(
         self, runner: ModelRunner, previous: ForwardBatch, next_token_ids: torch.Tensor
@@ -203,7 +203,7 @@ class ExactPath(ForwardPath):
         return self.hf.forward_batch(reqs[0], runner._wants_prompt_logits(reqs[0]), runner.keeps_all_logits(reqs[0]))
 
     def decode_batch(self, runner: ModelRunner, reqs: list[Request]) -> ForwardBatch:
-        return runner._prepare_forward_batch(reqs, ForwardMode.DECODE)
+        return self.forward_batch(runner, reqs, ForwardMode.DECODE)
 
     def next_decode_batch(
         self, runner: ModelRunner, previous: ForwardBatch, next_token_ids: torch.Tensor
