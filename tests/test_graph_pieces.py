@@ -298,7 +298,7 @@ def test_cuda_pieces_equal_the_eager_step_on_flashinfer():
     the reads and tokens equal an engine with no graphs on the same kernels."""
     from test_gpu_flashinfer import gpu_model
 
-    model = gpu_model("llama", torch.bfloat16).to("cuda")
+    model = gpu_model("llama_hd128", torch.bfloat16).to("cuda")  # benchmarks/gpu.py's 8B kernels: compiled once
     eager = nnrun.LanguageModel(
         twin(model), tokenizer=tiny_tokenizer(), device="cuda", dtype=torch.bfloat16, enable_cuda_graphs=False
     )
