@@ -327,9 +327,9 @@ def test_a_traced_generation_steps_one_at_a_time_beside_windowed_requests():
         ours.shutdown()
 
 
-def test_windows_are_opt_in_on_cuda_and_the_cpu():
-    """The CPU default is benchmarks/step_overhead.py's measurement: a window gains nothing there. On CUDA,
-    opt-in until checked on a GPU."""
+def test_windows_default_to_four_on_cuda_and_one_on_the_cpu():
+    """The CPU default is benchmarks/step_overhead.py's measurement: a window gains nothing there. The CUDA
+    default is the H200's (docs/gpu.md)."""
     from nnrun.config import EngineConfig
     from nnrun.multi_step import max_scheduler_steps
 
@@ -337,6 +337,8 @@ def test_windows_are_opt_in_on_cuda_and_the_cpu():
     assert max_scheduler_steps(EngineConfig.from_kwargs("tiny-facts", num_scheduler_steps=6)) == 6
     config = EngineConfig.from_kwargs("tiny-facts")
     config.device.device = "cuda:0"  # the device field as a CUDA engine's (no GPU needed to read the default)
+    assert max_scheduler_steps(config) == 4
+    config.scheduler.num_scheduler_steps = 1
     assert max_scheduler_steps(config) == 1
 
 
