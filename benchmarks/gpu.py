@@ -10,7 +10,8 @@ Shapes: `1b` (Llama-3.2-1B), `8b` (Llama-3-8B), `tiny` (a CPU smoke test). One m
   profile  what a decode step's time is made of, per batch: torch.profiler over `generate` of 1 and of
            --profile-tokens tokens, the difference divided by the steps between: wall time (profiled),
            the GPU's busy time (kernels and copies, overlaps merged), the idle share, kernel and graph
-           launches, and the kernels that take the most time.
+           launches, and the kernels that take the most time. Then one prefill call of B prompts of
+           --prompt-len tokens (max_tokens=1), whole.
   extract  M prompts of 16..--prompt-len tokens: `nnrun.extract` of the middle layer (shards on disk)
            vs HF padded batches + a forward hook copying each prompt's rows to the host (HF runs the
            whole model; extraction stops after the layer). Prompt tokens/s.
@@ -272,24 +273,31 @@ def run_profile(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, fl
             name: (us - one["per_kernel_us"].get(name, 0.0)) / (n - 1) for name, us in many["per_kernel_us"].items()
         }
         top = sorted(kernels.items(), key=lambda item: -item[1])[:6]
-        rows.append({"size": batch, **per_step, "top_kernels_us": top})
+        rows.append({"kind": "decode", "size": batch, **per_step, "top_kernels_us": top})
+    for batch in args.batches:  # a prefill call: its one step, sampling and bookkeeping included
+        prompts = random_prompts(batch, args.prompt_len, args.prompt_len, llm.vocab_size, seed=batch)
+        params = nnrun.SamplingParams(max_tokens=1, temperature=0)
+        llm.generate(prompts, params)  # warm-up
+        call = profile_generate(lambda: llm.generate(prompts, params), args.device)
+        top = sorted(call.pop("per_kernel_us").items(), key=lambda item: -item[1])[:6]
+        rows.append({"kind": f"prefill {args.prompt_len}", "size": batch, **call, "top_kernels_us": top})
     return rows
 
 
 def print_profile(rows: list[dict]) -> None:
     print(
-        "\n## profile (per decode step)\n\n| batch | wall ms (profiled) | GPU busy ms | GPU idle | kernels | "
-        "kernel launches | graph launches |\n|---|---|---|---|---|---|---|"
+        "\n## profile (per decode step; per prefill call)\n\n| step | batch | wall ms (profiled) | GPU busy ms | "
+        "GPU idle | kernels | kernel launches | graph launches |\n|---|---|---|---|---|---|---|---|"
     )
     for row in rows:
         idle = 1 - row["busy_us"] / row["wall_us"] if row["wall_us"] > 0 else float("nan")
         print(
-            f"| {row['size']} | {row['wall_us'] / 1e3:.2f} | {row['busy_us'] / 1e3:.2f} | {idle:.0%} | "
+            f"| {row['kind']} | {row['size']} | {row['wall_us'] / 1e3:.2f} | {row['busy_us'] / 1e3:.2f} | {idle:.0%} | "
             f"{row['kernels']:.0f} | {row['kernel_launches']:.0f} | {row['graph_launches']:.1f} |"
         )
     for row in rows:
         top = "; ".join(f"{name[:60]} {us:.0f} us" for name, us in row["top_kernels_us"])
-        print(f"batch {row['size']}, top kernels per step: {top or 'none recorded (no CUDA)'}")
+        print(f"{row['kind']}, batch {row['size']}, top kernels: {top or 'none recorded (no CUDA)'}")
 
 
 def run_extract(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, float] | None) -> list[dict]:
