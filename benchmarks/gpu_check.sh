@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 source benchmarks/offline_setup.sh || exit 1
 out=${OUT:-benchmarks/out}
 mkdir -p "$out"
-steps=" ${*:-1 2 3 4 5 6 7 8} "
+steps=" ${*:-1 2 3 4 5 6 7 8 9} "
 
 step() { # step N SECONDS NAME COMMAND...
   local n=$1 limit=$2 name=$3
@@ -44,4 +44,7 @@ step 7 150 prefill "${bench[@]}" --only prefill --batches 1,16,64,256
 # 8: decode and its profile with the decoder layers compiled inside the captured graphs (an option)
 step 8 240 decode-compiled "${bench[@]}" --only decode,profile --batches 1,64,256 --skip-hf \
   --engine-option compile_decoder_layers=true
+# 9: decode with windows of 8 steps (vLLM's multi-step default) against the default 4 of step 3
+step 9 120 decode-steps8 "${bench[@]}" --only decode,profile --batches 1,64,256 --skip-hf \
+  --engine-option num_scheduler_steps=8
 cat "$out/summary.txt"
