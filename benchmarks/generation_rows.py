@@ -8,6 +8,7 @@ Every row generates the same prompts, greedy, exactly `new_tokens` each, one inv
   last row of one layer            the same, `layers[L].output[:, -1]`
   all layers saved every step      every layer's output, every step
   steering vector every step       `layers[L].output[:] += vector` under `tracer.all()`
+  prefill trace                    no generation: one `model.trace()`, the layer's output saved per invoke
   HF generate                      one left-padded batch on the same weights
   nnsight on HF, ...               the traced rows' nnsight code on nnsight's own LanguageModel
 
@@ -129,14 +130,31 @@ def steer(model: Any, s: GenerationSetup) -> None:
                     model.model.layers[s.layer].output[:] += s.vector
 
 
+@torch.no_grad()
+def prefill_trace(model: Any, s: GenerationSetup) -> list:
+    """No generation: one trace over every prompt as its own invoke, saving the layer's output."""
+    saved = []
+    with model.trace() as tracer:
+        for text in s.prompts:
+            with tracer.invoke(text):
+                saved.append(model.model.layers[s.layer].output.save())
+    return saved
+
+
 TRACED = {
     "traced, nothing inside": traced_nothing,
     "one layer saved every step": save_one_layer,
     "last row of one layer saved every step": save_last_row,
     "all layers saved every step": save_all_layers,
     "steering vector every step": steer,
+    "prefill trace, one layer read per invoke": prefill_trace,
 }
-NNSIGHT_ROWS = ("traced, nothing inside", "one layer saved every step", "steering vector every step")
+NNSIGHT_ROWS = (
+    "traced, nothing inside",
+    "one layer saved every step",
+    "steering vector every step",
+    "prefill trace, one layer read per invoke",
+)
 
 
 @torch.no_grad()

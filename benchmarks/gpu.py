@@ -7,6 +7,11 @@ Shapes: `1b` (Llama-3.2-1B), `8b` (Llama-3-8B), `tiny` (a CPU smoke test). One m
   decode   B prompts of --decode-prompt-len tokens, N = --new-tokens greedy tokens each (EOS ignored):
            nnrun `generate` vs HF `generate`. Decode tok/s = B*(N-1) / (T(N) - T(1)), T(n) being a
            whole call with n new tokens, so prefill and the first token are left out. MBU of nnrun.
+  profile  what a decode step's time is made of, per batch: torch.profiler over `generate` of 1 and of
+           --profile-tokens tokens, the difference divided by the steps between: wall time (profiled),
+           the GPU's busy time (kernels and copies, overlaps merged), the idle share, kernel and graph
+           launches, and the kernels that take the most time. Then one prefill call of B prompts of
+           --prompt-len tokens (max_tokens=1), whole.
   extract  M prompts of 16..--prompt-len tokens: `nnrun.extract` of the middle layer (shards on disk)
            vs HF padded batches + a forward hook copying each prompt's rows to the host (HF runs the
            whole model; extraction stops after the layer). Prompt tokens/s.
@@ -52,7 +57,7 @@ from transformers import AutoModelForCausalLM
 import nnrun
 from nnrun.config import resolve_dtype
 
-SECTIONS = ("prefill", "decode", "extract", "interventions")
+SECTIONS = ("prefill", "decode", "profile", "extract", "interventions")
 DEFAULT_SECTIONS = ("prefill", "decode", "extract")  # interventions replaces the engine: asked for by name
 GPU_DEFAULTS = {
     "batches": "1,16,64,256",
@@ -212,6 +217,89 @@ def run_decode(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, flo
     return rows
 
 
+def _busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Microseconds covered by the union of `intervals` (kernels on several streams may overlap)."""
+    busy, end = 0.0, -math.inf
+    for start, stop in sorted(intervals):
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy
+
+
+def profile_generate(run: Callable[[], object], device: torch.device) -> dict:
+    """One profiled call of `run`: wall µs, GPU busy µs, kernel and graph launches, µs per kernel name."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda device: None
+    sync(device)
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        run()
+        sync(device)
+        wall_us = (time.perf_counter() - start) * 1e6
+    on_device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    per_kernel: dict[str, float] = {}
+    for event in on_device:
+        per_kernel[event.name] = per_kernel.get(event.name, 0.0) + event.time_range.elapsed_us()
+    host_names = [e.name for e in prof.events() if e.device_type == DeviceType.CPU]
+    return {
+        "wall_us": wall_us,
+        "busy_us": _busy_us([(e.time_range.start, e.time_range.end) for e in on_device]),
+        "kernels": len(on_device),
+        "kernel_launches": sum(name in ("cudaLaunchKernel", "cudaLaunchKernelExC") for name in host_names),
+        "graph_launches": sum(name == "cudaGraphLaunch" for name in host_names),
+        "per_kernel_us": per_kernel,
+    }
+
+
+def run_profile(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, float] | None) -> list[dict]:
+    """Per decode step: (profile of N tokens - profile of 1 token) / (N - 1), per batch."""
+    rows, n = [], args.profile_tokens
+    for batch in args.batches:
+        prompts = random_prompts(batch, args.decode_prompt_len, args.decode_prompt_len, llm.vocab_size, seed=batch)
+
+        def generate(k: int) -> Callable[[], object]:
+            params = nnrun.SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
+            return lambda: llm.generate(prompts, params)
+
+        generate(2)()  # warm-up
+        one, many = profile_generate(generate(1), args.device), profile_generate(generate(n), args.device)
+        per_step = {key: (many[key] - one[key]) / (n - 1) for key in ("wall_us", "busy_us", "kernels")}
+        per_step.update({key: (many[key] - one[key]) / (n - 1) for key in ("kernel_launches", "graph_launches")})
+        kernels = {
+            name: (us - one["per_kernel_us"].get(name, 0.0)) / (n - 1) for name, us in many["per_kernel_us"].items()
+        }
+        top = sorted(kernels.items(), key=lambda item: -item[1])[:6]
+        rows.append({"kind": "decode", "size": batch, **per_step, "top_kernels_us": top})
+    for batch in args.batches:  # a prefill call: its one step, sampling and bookkeeping included
+        prompts = random_prompts(batch, args.prompt_len, args.prompt_len, llm.vocab_size, seed=batch)
+        params = nnrun.SamplingParams(max_tokens=1, temperature=0)
+        llm.generate(prompts, params)  # warm-up
+        call = profile_generate(lambda: llm.generate(prompts, params), args.device)
+        top = sorted(call.pop("per_kernel_us").items(), key=lambda item: -item[1])[:6]
+        rows.append({"kind": f"prefill {args.prompt_len}", "size": batch, **call, "top_kernels_us": top})
+    return rows
+
+
+def print_profile(rows: list[dict]) -> None:
+    print(
+        "\n## profile (per decode step; per prefill call)\n\n| step | batch | wall ms (profiled) | GPU busy ms | "
+        "GPU idle | kernels | kernel launches | graph launches |\n|---|---|---|---|---|---|---|---|"
+    )
+    for row in rows:
+        idle = 1 - row["busy_us"] / row["wall_us"] if row["wall_us"] > 0 else float("nan")
+        print(
+            f"| {row['kind']} | {row['size']} | {row['wall_us'] / 1e3:.2f} | {row['busy_us'] / 1e3:.2f} | {idle:.0%} | "
+            f"{row['kernels']:.0f} | {row['kernel_launches']:.0f} | {row['graph_launches']:.1f} |"
+        )
+    for row in rows:
+        top = "; ".join(f"{name[:60]} {us:.0f} us" for name, us in row["top_kernels_us"])
+        print(f"{row['kind']}, batch {row['size']}, top kernels: {top or 'none recorded (no CUDA)'}")
+
+
 def run_extract(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, float] | None) -> list[dict]:
     module = f"model.layers.{llm.model.config.num_hidden_layers // 2}"
     prompts = random_prompts(args.extract_prompts, min(16, args.prompt_len), args.prompt_len, llm.vocab_size)
@@ -306,6 +394,9 @@ def print_table(section: str, rows: list[dict]) -> None:
     if section == "interventions":
         generation_rows.print_report(rows, heading=section)
         return
+    if section == "profile":
+        print_profile(rows)
+        return
     size, unit, metric = TABLE_COLUMNS[section]
     header = [size, "tokens", f"nnrun {unit}", f"HF {unit}", "ratio"] + ([metric] if metric else [])
     print(f"\n## {section}\n\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
@@ -332,8 +423,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-prompt-len", type=int, default=None)
     parser.add_argument("--new-tokens", type=int, default=None, help="decode tokens per prompt (>= 2)")
     parser.add_argument("--extract-prompts", type=int, default=None)
+    parser.add_argument("--profile-tokens", type=int, default=16, help="profile: new tokens of the profiled call")
     parser.add_argument(
-        "--only", action="append", default=None, help="prefill, decode, extract, interventions (repeat or comma list)"
+        "--only",
+        action="append",
+        default=None,
+        help="prefill, decode, profile, extract, interventions (repeat or comma list)",
     )
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument(
@@ -461,7 +556,13 @@ def main() -> None:
         f"peaks (FLOP/s, bytes/s): {peaks or 'n/a'}; engine built in {time.perf_counter() - start:.1f} s "
         "(KV sizing and graph capture run steps: FlashInfer may compile here)"
     )
-    runners = {"prefill": run_prefill, "decode": run_decode, "extract": run_extract, "interventions": run_interventions}
+    runners = {
+        "prefill": run_prefill,
+        "decode": run_decode,
+        "profile": run_profile,
+        "extract": run_extract,
+        "interventions": run_interventions,
+    }
     for section in args.only:
         start = time.perf_counter()
         report["sections"][section] = runners[section](llm, args, peaks)

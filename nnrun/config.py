@@ -118,10 +118,14 @@ class DeviceConfig:
     attention_backend: str = "auto"  # "auto", "torch" or "flashinfer"
     enable_cuda_graphs: bool = True  # decode steps with no hooks or interventions replay CUDA graphs
     cuda_graph_batch_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 32, ... up to max_num_seqs (256 at most)
-    # Decode steps that blocks watch replay per-layer graphs around the watched layers (`graph_pieces.py`).
-    # Opt-in until checked on a GPU: tested under the capture stand-in only; off, watched steps run eagerly.
-    cuda_graph_pieces: bool = False
+    # Decode steps that blocks watch replay per-layer graphs around the watched layers (`graph_pieces.py`);
+    # off, such steps run eagerly. None: on where graphs are captured on CUDA (checked on an H200, docs/gpu.md).
+    cuda_graph_pieces: bool | None = None
     torch_dtype: torch.dtype = field(init=False)
+
+    def graph_pieces_on(self, device: torch.device) -> bool:
+        """`cuda_graph_pieces`, or its default: on for a CUDA device (the CPU capture stand-in asks for them)."""
+        return device.type == "cuda" if self.cuda_graph_pieces is None else self.cuda_graph_pieces
 
     def __post_init__(self) -> None:
         device = str(self.device)

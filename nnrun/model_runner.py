@@ -186,7 +186,7 @@ class ModelRunner(KVPoolSetup):
             # Decided once: pieces for a runner whose steps may be watched, on one process (not tensor-parallel ranks)
             if (
                 self.captures_graph_pieces
-                and self.config.device.cuda_graph_pieces
+                and self.config.device.graph_pieces_on(self.device)
                 and self.config.parallel.tensor_parallel_size == 1
             ):
                 self.path.pieces = capture_decoder_layer_pieces(self.model, self.path.graphs, capturer)

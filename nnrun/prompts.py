@@ -87,6 +87,8 @@ def tokenize_prompt(prompt: Any, where: str, tokenizer: Any, vocab_size: int) ->
         )
     if not prompt:
         raise ValueError(f"{where} has no token ids")
+    if all(type(token) is int for token in prompt) and 0 <= min(prompt) and max(prompt) < vocab_size:
+        return None, list(prompt)  # plain ints in range (the common case): no per-token calls
     return None, [_token_id(token, where, position, vocab_size) for position, token in enumerate(prompt)]
 
 

@@ -14,10 +14,12 @@ ROWS = [
     "last row of one layer saved every step",
     "all layers saved every step",
     "steering vector every step",
+    "prefill trace, one layer read per invoke",
     "HF generate",
     "nnsight on HF, traced, nothing inside",
     "nnsight on HF, one layer saved every step",
     "nnsight on HF, steering vector every step",
+    "nnsight on HF, prefill trace, one layer read per invoke",
 ]
 TIMEOUT_S = 180
 
@@ -48,7 +50,7 @@ def check_rows(rows: dict[str, list[str]]) -> None:
     assert list(rows) == ROWS
     for name, (seconds, vs_engine, vs_nnsight, per_value) in rows.items():
         assert float(seconds) > 0 and float(vs_engine.removesuffix("x")) > 0, name
-        assert (vs_nnsight != "-") == (name in ROWS[1:6] and f"nnsight on HF, {name}" in rows), name
+        assert (vs_nnsight != "-") == (name in ROWS[1:7] and f"nnsight on HF, {name}" in rows), name
         assert (per_value != "-") == ("saved" in name and not name.startswith("nnsight")), name
 
 

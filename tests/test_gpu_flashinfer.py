@@ -55,6 +55,8 @@ TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}  # on log-probabilities
 def _config(family: str):
     if family == "llama":
         return LlamaForCausalLM, LlamaConfig(**_COMMON, head_dim=64)
+    if family == "llama_hd128":  # the 8B shape's attention (head dim 128, 4 query heads per KV head): its kernels
+        return LlamaForCausalLM, LlamaConfig(**{**_COMMON, "hidden_size": 512, "num_key_value_heads": 1}, head_dim=128)
     if family == "qwen2":
         return Qwen2ForCausalLM, Qwen2Config(
             **_COMMON,
@@ -85,7 +87,7 @@ def _config(family: str):
 
 
 def gpu_model(family: str, dtype: torch.dtype) -> torch.nn.Module:
-    """A random 2-layer model (head dim 64) in `dtype` on the CPU, queries sharpened 4x so windows and
+    """A random 2-layer model (head dim 64; `llama_hd128`: 128) in `dtype` on the CPU, queries sharpened 4x so windows and
     softcaps bind (at random init the attention logits are too small for tanh to matter)."""
     model_cls, config = _config(family)
     torch.manual_seed(0)

@@ -298,7 +298,7 @@ def test_cuda_pieces_equal_the_eager_step_on_flashinfer():
     the reads and tokens equal an engine with no graphs on the same kernels."""
     from test_gpu_flashinfer import gpu_model
 
-    model = gpu_model("llama", torch.bfloat16).to("cuda")
+    model = gpu_model("llama_hd128", torch.bfloat16).to("cuda")  # benchmarks/gpu.py's 8B kernels: compiled once
     eager = nnrun.LanguageModel(
         twin(model), tokenizer=tiny_tokenizer(), device="cuda", dtype=torch.bfloat16, enable_cuda_graphs=False
     )
@@ -321,3 +321,13 @@ def test_cuda_pieces_equal_the_eager_step_on_flashinfer():
     finally:
         ours.shutdown()
         eager.shutdown()
+
+
+def test_pieces_default_on_for_cuda_devices_only():
+    """Unset, pieces are captured on CUDA (checked on an H200); the CPU capture stand-in asks for them."""
+    from nnrun.config import DeviceConfig
+
+    unset = DeviceConfig()
+    assert unset.graph_pieces_on(torch.device("cuda", 0)) and not unset.graph_pieces_on(torch.device("cpu"))
+    assert not DeviceConfig(cuda_graph_pieces=False).graph_pieces_on(torch.device("cuda", 0))
+    assert DeviceConfig(cuda_graph_pieces=True).graph_pieces_on(torch.device("cpu"))

@@ -327,9 +327,9 @@ def test_a_traced_generation_steps_one_at_a_time_beside_windowed_requests():
         ours.shutdown()
 
 
-def test_windows_are_opt_in_on_cuda_and_the_cpu():
-    """The CPU default is benchmarks/step_overhead.py's measurement: a window gains nothing there. On CUDA,
-    opt-in until checked on a GPU."""
+def test_windows_default_to_four_on_cuda_and_one_on_the_cpu():
+    """The CPU default is benchmarks/step_overhead.py's measurement: a window gains nothing there. The CUDA
+    default is the H200's (docs/gpu.md)."""
     from nnrun.config import EngineConfig
     from nnrun.multi_step import max_scheduler_steps
 
@@ -337,6 +337,8 @@ def test_windows_are_opt_in_on_cuda_and_the_cpu():
     assert max_scheduler_steps(EngineConfig.from_kwargs("tiny-facts", num_scheduler_steps=6)) == 6
     config = EngineConfig.from_kwargs("tiny-facts")
     config.device.device = "cuda:0"  # the device field as a CUDA engine's (no GPU needed to read the default)
+    assert max_scheduler_steps(config) == 4
+    config.scheduler.num_scheduler_steps = 1
     assert max_scheduler_steps(config) == 1
 
 
@@ -401,3 +403,28 @@ def test_windows_stop_at_the_context_length_as_single_steps_do(max_model_len):
             llm.runner.allocator.check_no_leaks()
     assert results[0] == results[1]
     assert all(reason == "length" for _, reason in results[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_windows_give_the_one_step_tokens_on_flashinfer_graphs():
+    """On CUDA (FlashInfer, real decode graphs): windows of 4 steps give the one-step engine's tokens and
+    logprobs bitwise, with fewer scheduling decisions, and leave no KV slot behind."""
+    from model_zoo import random_prompts
+    from test_cuda_graphs import greedy_params
+    from test_gpu_flashinfer import gpu_model
+
+    model = gpu_model("llama_hd128", torch.bfloat16).to("cuda")  # benchmarks/gpu.py's 8B kernels: compiled once
+    prompts = random_prompts([3, 17, 9, 1, 30, 12], seed=7)
+    params = [greedy_params(n) for n in [2, 9, 4, 7, 12, 5]]
+    runs = {}
+    for num_steps in (1, 4):
+        with nnrun.LLM(model, device="cuda", dtype=torch.bfloat16, num_scheduler_steps=num_steps) as llm:
+            assert llm.runner.attn_backend.name == "flashinfer" and llm.runner.graph_runner is not None
+            outputs = llm.generate(prompts, params)
+            llm.runner.allocator.check_no_leaks()
+            completions = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+            runs[num_steps] = completions, llm.core.scheduler.num_schedules
+    (one_step, one_schedules), (windowed, schedules) = runs[1], runs[4]
+    assert windowed == one_step
+    assert schedules < one_schedules
