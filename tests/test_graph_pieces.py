@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import nnrun
+from conformance.compare import assert_scenario_same
 from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer, twin
 from fake_cuda_graph import HostSyncDuringCapture, RecordingCapturer
 from fake_flashinfer import make_fake_flashinfer
@@ -465,3 +466,37 @@ def test_a_skip_of_one_request_next_to_a_boundary_read_equals_the_all_eager_step
 
     assert torch.equal(scenario(ours).cpu(), scenario(eager).cpu())
     assert replayed[1] == NEW_TOKENS - 2 and replayed[2] == 0, replayed
+
+
+GENERATE_SCENARIOS = [
+    "all_generated_tokens",
+    "generate_default_length",
+    "generate_repetition_penalty",
+    "generate_result",
+    "generate_several_invokes",
+    "iter_over_generated_tokens",
+    "iter_slice",
+    "samples_across_steps",
+    "steering_during_generation",
+]
+
+
+@pytest.fixture(scope="module")
+def conformance_models():
+    """nnsight on HF and nnrun with graph pieces on the conformance suite's tiny Llama."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "flashinfer", make_fake_flashinfer())
+        model = tiny_llama()
+        oracle = hf_language_model(twin(model), tiny_tokenizer())
+        ours = nnrun.LanguageModel(model, tokenizer=tiny_tokenizer(), cuda_graph_pieces=True)
+        capture_graphs(ours.engine)
+        assert ours.engine.runner.graph_pieces is not None
+        yield oracle, ours
+        ours.shutdown()
+
+
+@pytest.mark.parametrize("name", GENERATE_SCENARIOS)
+def test_generate_conformance_scenarios_with_pieces(conformance_models, name):
+    """nnsight's generate scenarios save on nnrun with graph pieces what they save on nnsight on HF."""
+    oracle, ours = conformance_models
+    assert_scenario_same(name, oracle, ours, tiny_tokenizer())
