@@ -52,6 +52,9 @@ PRIVATE_ATTRIBUTES = {
     "Envoy._edits": "the mediators `model.edit()` stored, replayed first on every prompt of later traces",
     "Tensor._nnsight_batch": "marks a served view so that `.grad` redirects to the tensor in the graph",
     "BaseException.__intervention_tb__": "the traceback of the user's line, kept where nnsight keeps it",
+    "State.body / State.routes (module.__dict__[STATE])": "a decoder layer watched only at its input or output "
+    "runs its graph piece as the controller's body for one call, between its handoffs; `routes` names those "
+    "handoffs' locations (interleaver/watched_layers.py)",
 }
 
 

@@ -17,13 +17,14 @@ A step with no nnsight request takes the base runner's path: no handoff is armed
 whose blocks have all finished or wait only for their trace's end (`NNsightRequestHelper.watch_step`):
 the interleaver stands down, modules run their plain forward, and a decode step replays its graph.
 A watched decode step runs in decoder-layer pieces (`nnrun.graph_pieces`): each layer in which no
-block waits replays its own graph, and `WatchedLayers` keeps the visit counts as if it had run.
+block waits replays its own graph, a layer watched only at its input or output replays inside its
+handoffs, and `WatchedLayers` keeps the visit counts as if it had run.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -35,6 +36,7 @@ from interleaver.generator import serve_prompts, serve_step_tokens
 from interleaver.mediator import PackedInterleaver, ServedValues
 from interleaver.requests import NNsightRequestHelper
 from interleaver.save_spill import SavedValueLedger
+from interleaver.watched_layers import WatchedLayers
 from nnrun.attention import AttentionBackend
 from nnrun.exact import family_of
 from nnrun.forward_batch import ForwardBatch
@@ -50,7 +52,7 @@ class RunnerModel(ServedValues, NNsight):
 class NNsightGPUModelRunner(ModelRunner):
     """A ModelRunner that serves nnsight interventions riding on its requests."""
 
-    captures_graph_pieces = True  # a watched decode step replays the decoder layers no block waits in
+    captures_graph_pieces = True  # a watched decode step replays the decoder layers no block waits inside
 
     def load_model(self) -> None:
         super().load_model()
@@ -272,55 +274,6 @@ class NNsightGPUModelRunner(ModelRunner):
         helper.request_to_invocations.clear()
         helper.finish(live)
         super().shutdown()
-
-
-class WatchedLayers:
-    """The `PieceGate` of a watched step: a decoder layer replays unless a block waits on a location it visits.
-
-    Which locations a layer visits (every module's input, skip gate and output in it, or a module
-    outside it that it calls) is learned from its first eager run in a traced step, as the change it
-    made to the interleaver's visit counts; until then the layer runs eagerly. A replayed layer adds
-    that change itself, so a block's later reads count their visits as on HF (`tracer.iter[n]`). A
-    call made by a running block (a module called ad hoc) is always eager and counts nothing.
-    """
-
-    def __init__(self, interleaver: PackedInterleaver) -> None:
-        self.interleaver = interleaver
-        self.visits: dict[int, dict[str, int]] = {}  # layer index -> location -> visits in one call
-
-    def runs_eagerly(self, layer_index: int) -> bool:
-        visits = self.visits.get(layer_index)
-        if visits is None or self._is_unusual():
-            return True
-        interleaver = self.interleaver
-        return not visits.keys().isdisjoint(interleaver.parked) or not visits.keys().isdisjoint(interleaver.observers)
-
-    def _is_unusual(self) -> bool:
-        """A block's own call of a layer, or a `.source` or skip a block asked for in the middle of the step."""
-        interleaver = self.interleaver
-        return (
-            interleaver.running_blocks.innermost() is not None
-            or bool(interleaver.sourced)
-            or bool(interleaver.batcher.pending_skips)
-        )
-
-    def run_eagerly(self, layer_index: int, call: Callable[[], Any]) -> Any:
-        interleaver = self.interleaver
-        if layer_index in self.visits or not interleaver.busy or self._is_unusual():
-            return call()
-        before = dict(interleaver.counts)
-        output = call()
-        self.visits[layer_index] = {
-            location: count - before.get(location, 0)
-            for location, count in interleaver.counts.items()
-            if count != before.get(location, 0)
-        }
-        return output
-
-    def replayed(self, layer_index: int) -> None:
-        counts = self.interleaver.counts
-        for location, visits in self.visits[layer_index].items():
-            counts[location] = counts.get(location, 0) + visits
 
 
 def _job_of(req: Request) -> Any:

@@ -4,10 +4,18 @@ A whole-step graph runs no Python, so a decode step that any block reads or writ
 eagerly from end to end. Pieces keep the step's HF forward in Python (embeddings, rotary tables,
 final norm, lm_head: everything outside the decoder layers runs as usual) and send each decoder
 layer's call, as the forward reaches it, either to that layer's captured graph or to its ordinary
-call. The runner's `PieceGate` decides layer by layer: a layer in which some block waits now runs
-eagerly, with its hooks and nnsight's handoffs, so a block sees exactly the eager values; every
-other layer replays. The decision is taken when the forward reaches the layer, not once per step:
-a block served at layer 2 may next wait on layer 5, and layer 5 must then run eagerly.
+call. The runner's `PieceGate` decides layer by layer: a layer no block waits in replays bare; a
+layer some block waits in gets its ordinary call (`LayerCall`), with its hooks and nnsight's
+handoffs, so a block sees exactly the eager values. The decision is taken when the forward reaches
+the layer, not once per step: a block served at layer 2 may next wait on layer 5, and layer 5 must
+then run its call.
+
+A layer watched only at its boundary (its own input or output) needs its handoffs, not its body:
+the gate may run the call with the layer's forward, for that call only, replaced by the piece's
+replay (`LayerCall.replay_forward`): the handoffs serve the blocks as usual, an edited input is what
+the replay loads, and the output a block edits is a fresh copy the next layer receives. Whether
+the forward may replay is decided inside it, after the input handoff: a block served there may
+next wait inside the layer, and then the real forward runs.
 
 Capture (per padded batch size, after the whole-step graphs, with the same capturer and so the
 same memory pool): the model's own forward runs once over the whole-step graphs' static inputs,
@@ -28,6 +36,7 @@ controller) are untouched, and outside a pieces step the call is `nn.Module.__ca
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from contextlib import contextmanager
@@ -48,11 +57,11 @@ class PieceGate(Protocol):
     """Who decides, as a pieces step reaches each decoder layer, whether the layer replays."""
 
     def runs_eagerly(self, layer_index: int) -> bool:
-        """Whether the layer must run its eager call now (something may read or write inside it)."""
+        """Whether the layer must run its call now (something may read or write at or inside it)."""
         ...
 
-    def run_eagerly(self, layer_index: int, call: Callable[[], Any]) -> Any:
-        """Run the layer's eager call (`call()`); the gate may watch what it visits."""
+    def run_eagerly(self, layer_index: int, call: LayerCall) -> Any:
+        """Run the layer's call (`call()`, or with its forward replayed); the gate may watch what it visits."""
         ...
 
     def replayed(self, layer_index: int) -> None:
@@ -105,6 +114,35 @@ class _Step:
     loaded: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)  # id(static) -> (live, version)
 
 
+class LayerCall:
+    """A decoder layer's call in a pieces step, which a gate runs: eagerly, or with its forward replayed."""
+
+    __slots__ = ("layer", "_eager", "_args", "_kwargs", "_replay")
+
+    def __init__(
+        self,
+        layer: torch.nn.Module,
+        eager: Callable[..., Any],
+        args: tuple,
+        kwargs: dict,
+        replay: Callable[[tuple, dict], Any | None],
+    ) -> None:
+        self.layer = layer
+        self._eager, self._args, self._kwargs, self._replay = eager, args, kwargs, replay
+
+    def __call__(self) -> Any:
+        """The layer's call as PyTorch makes it: hooks, handoffs and its forward."""
+        return self._eager(*self._args, **self._kwargs)
+
+    def replay_forward(self, args: tuple, kwargs: dict) -> Any | None:
+        """The layer's forward alone, replayed on these (possibly edited) arguments; None where they do not fit.
+
+        For the forward's slot inside the call: the hooks around it still run, and what it
+        returns is a fresh copy, which they may edit in place or replace.
+        """
+        return self._replay(args, kwargs)
+
+
 class DecoderLayerPieces:
     """Per-layer decode graphs for `graphs`' batch sizes, and the routing of a step's layer calls."""
 
@@ -146,13 +184,14 @@ class DecoderLayerPieces:
         step = self._step
         if step is None:
             return eager(*args, **kwargs)
+        piece = self.pieces[step.graph_size].get(index)
         if not step.gate.runs_eagerly(index):
-            piece = self.pieces[step.graph_size].get(index)
             outputs = None if piece is None else self._replay(piece, step, args, kwargs)
             if outputs is not None:
                 step.gate.replayed(index)
                 return outputs
-        return step.gate.run_eagerly(index, lambda: eager(*args, **kwargs))
+        replay = _does_not_fit if piece is None else functools.partial(self._replay, piece, step)
+        return step.gate.run_eagerly(index, LayerCall(layer, eager, args, kwargs, replay))
 
     @contextmanager
     def step(self, graph_size: int, gate: PieceGate) -> Iterator[None]:
@@ -319,6 +358,11 @@ def _shared_static(buffers: dict[tuple, torch.Tensor], slot: tuple, value: torch
     if static is not value:
         static.copy_(value)
     return static
+
+
+def _does_not_fit(args: tuple, kwargs: dict) -> None:
+    """The replay of a layer that has no piece at this batch size."""
+    return None
 
 
 def _routed_call(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

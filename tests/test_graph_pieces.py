@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import nnrun
+from conformance.compare import assert_scenario_same
 from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer, twin
 from fake_cuda_graph import HostSyncDuringCapture, RecordingCapturer
 from fake_flashinfer import make_fake_flashinfer
@@ -86,7 +87,8 @@ def test_pieces_and_eager_points_equal_the_all_eager_step(models):
     assert torch.equal(ids.cpu(), oracle_ids.cpu())
     decode_steps = NEW_TOKENS - 1
     assert counts["eager"] == decode_steps  # no whole-step graph: a block watches these steps
-    assert replayed[2] == 0
+    # Layer 2 is watched only at its output: it replays inside its handoffs (issue 35) as the others replay bare.
+    assert replayed[2] == decode_steps - 1
     assert all(replayed[layer] == decode_steps - 1 for layer in (0, 1, 3)), replayed
 
 
@@ -121,7 +123,8 @@ def test_steering_one_layer_replays_the_others_with_hfs_tokens(models):
         return ids
 
     assert torch.equal(scenario(ours).cpu(), scenario(oracle).cpu())
-    assert replayed[3] == 0 and replayed[0] == NEW_TOKENS - 2
+    # Layer 3 is steered at its output only: it replays inside its handoffs (issue 35), the edit on its copy.
+    assert replayed[3] == replayed[0] == NEW_TOKENS - 2
 
 
 def test_a_block_moving_on_to_a_later_layer_in_the_step_finds_it_eager(models):
@@ -138,7 +141,9 @@ def test_a_block_moving_on_to_a_later_layer_in_the_step_finds_it_eager(models):
 
     for ours_value, oracle_value in zip(scenario(ours), scenario(oracle)):
         torch.testing.assert_close(ours_value, oracle_value, atol=1e-5, rtol=1e-5)
-    assert replayed[0] == replayed[3] == 0 and replayed[1] == replayed[2] == NEW_TOKENS - 2
+    # Layers 0 and 3 are read at their outputs only: they replay inside their handoffs (issue 35), after the
+    # block moved on from layer 0 to wait on layer 3, as layers 1 and 2 replay bare.
+    assert replayed[0] == replayed[3] == replayed[1] == replayed[2] == NEW_TOKENS - 2
 
 
 def test_replayed_layers_keep_the_visit_counts_a_later_read_relies_on(models):
@@ -247,7 +252,8 @@ def test_a_cache_of_one_layer_keeps_that_layer_eager(models):
         return cache["model.model.layers.1"].output
 
     torch.testing.assert_close(scenario(ours), scenario(oracle), atol=1e-5, rtol=1e-5)
-    assert replayed[1] == 0 and replayed[0] == NEW_TOKENS - 2
+    # The cache observes layer 1's boundary only: it replays inside its handoffs (issue 35), which the cache records.
+    assert replayed[1] == replayed[0] == NEW_TOKENS - 2
 
 
 class FailingAfter(RecordingCapturer):
@@ -315,7 +321,8 @@ def test_cuda_pieces_equal_the_eager_step_on_flashinfer():
             warnings.simplefilter("ignore")
             got_hidden, got_ids = save_layer_every_step(ours, 1, prompts=(P, Q, "a b c"))
             want_hidden, want_ids = save_layer_every_step(eager, 1, prompts=(P, Q, "a b c"))
-        assert replayed[0] == NEW_TOKENS - 2 and replayed[1] == 0
+        # Layer 1 is read at its output only: it replays inside its handoffs (issue 35).
+        assert replayed[0] == replayed[1] == NEW_TOKENS - 2
         assert torch.equal(got_ids.cpu(), want_ids.cpu())
         torch.testing.assert_close(got_hidden.float(), want_hidden.float(), atol=2e-2, rtol=2e-2)
     finally:
@@ -331,3 +338,165 @@ def test_pieces_default_on_for_cuda_devices_only():
     assert unset.graph_pieces_on(torch.device("cuda", 0)) and not unset.graph_pieces_on(torch.device("cpu"))
     assert not DeviceConfig(cuda_graph_pieces=False).graph_pieces_on(torch.device("cuda", 0))
     assert DeviceConfig(cuda_graph_pieces=True).graph_pieces_on(torch.device("cpu"))
+
+
+# ---- a layer watched only at its boundary replays inside its handoffs (issue 35) ---------------
+
+
+def test_saving_every_layers_output_every_step_replays_every_layer(models):
+    """Every layer's output saved every step, for both prompts: every layer is watched, and every layer
+    replays (inside its handoffs) after the first decode step; the reads equal the all-eager step
+    bitwise and nnsight on HF's, and so do the tokens."""
+    oracle, eager, ours, replayed, counts, _ = models
+
+    def scenario(model):
+        with model.generate(max_new_tokens=NEW_TOKENS) as tracer:
+            hidden = list().save()
+            for prompt in (P, Q):
+                with tracer.invoke(prompt):
+                    for _ in tracer.all():
+                        for layer in range(NUM_LAYERS):
+                            hidden.append(model.model.layers[layer].output[0, -1])
+            with tracer.invoke():
+                ids = tracer.result.save()
+        return torch.stack(list(hidden)), ids
+
+    hidden, ids = scenario(ours)
+    eager_hidden, eager_ids = scenario(eager)
+    oracle_hidden, oracle_ids = scenario(oracle)
+    assert hidden.shape[0] == 2 * NEW_TOKENS * NUM_LAYERS
+    assert torch.equal(hidden, eager_hidden) and torch.equal(ids, eager_ids)
+    torch.testing.assert_close(hidden, oracle_hidden, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ids.cpu(), oracle_ids.cpu())
+    decode_steps = NEW_TOKENS - 1
+    assert counts["eager"] == decode_steps
+    assert all(replayed[layer] == decode_steps - 1 for layer in range(NUM_LAYERS)), replayed
+
+
+@pytest.mark.parametrize("how", ["in_place", "assignment"])
+def test_an_edit_of_a_layers_output_reaches_the_next_layer(models, how):
+    """Layer 1's output steered (in place, or by assignment) for one of two prompts, layer 2's output read:
+    both layers replay inside their handoffs and layer 2 sees the edit, as on nnsight on HF."""
+    oracle, _, ours, replayed, _, _ = models
+    vector = torch.linspace(-1.0, 1.0, 64)
+
+    def scenario(model):
+        with model.generate(max_new_tokens=NEW_TOKENS) as tracer:
+            with tracer.invoke(P):
+                following = list().save()
+                for _ in tracer.all():
+                    if how == "in_place":
+                        model.model.layers[1].output[:] += vector
+                    else:
+                        model.model.layers[1].output = model.model.layers[1].output + vector
+                    following.append(model.model.layers[2].output[0, -1])
+            with tracer.invoke(Q):
+                pass
+            with tracer.invoke():
+                ids = tracer.result.save()
+        return torch.stack(list(following)), ids
+
+    (following, ids), (oracle_following, oracle_ids) = scenario(ours), scenario(oracle)
+    torch.testing.assert_close(following, oracle_following, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ids.cpu(), oracle_ids.cpu())
+    assert replayed[1] == replayed[2] == replayed[0] == NEW_TOKENS - 2, replayed
+
+
+@pytest.mark.parametrize("how", ["in_place", "assignment"])
+def test_an_edit_of_a_layers_input_reaches_its_replay(models, how):
+    """Layer 2's input steered (in place, or by assignment) every step: the replay loads the edited input
+    (an assignment hands the forward a new tensor); HF's values and tokens."""
+    oracle, _, ours, replayed, _, _ = models
+    vector = torch.linspace(-1.0, 1.0, 64)
+
+    def scenario(model):
+        with model.generate(max_new_tokens=NEW_TOKENS) as tracer:
+            with tracer.invoke(P):
+                outputs = list().save()
+                for _ in tracer.all():
+                    if how == "in_place":
+                        model.model.layers[2].input[:] += vector
+                    else:
+                        model.model.layers[2].input = model.model.layers[2].input + vector
+                    outputs.append(model.model.layers[2].output[0, -1])
+            with tracer.invoke():
+                ids = tracer.result.save()
+        return torch.stack(list(outputs)), ids
+
+    (outputs, ids), (oracle_outputs, oracle_ids) = scenario(ours), scenario(oracle)
+    torch.testing.assert_close(outputs, oracle_outputs, atol=1e-5, rtol=1e-5)
+    assert torch.equal(ids.cpu(), oracle_ids.cpu())
+    assert replayed[2] == NEW_TOKENS - 2, replayed
+
+
+def test_a_block_served_at_a_layers_input_then_waiting_inside_it_runs_it_eagerly(models):
+    """`layers[2].input` then `layers[2].mlp.output` in the same step: decided after the input handoff,
+    layer 2 runs its real forward and the block is served inside it; the other layers replay."""
+    oracle, _, ours, replayed, _, _ = models
+
+    def scenario(model):
+        with model.generate(P, max_new_tokens=NEW_TOKENS) as tracer:
+            inputs, mlps = list().save(), list().save()
+            for _ in tracer.all():
+                inputs.append(model.model.layers[2].input[0, -1])
+                mlps.append(model.model.layers[2].mlp.output[0, -1])
+        return torch.stack(list(inputs)), torch.stack(list(mlps))
+
+    for ours_value, oracle_value in zip(scenario(ours), scenario(oracle)):
+        assert ours_value.shape[0] == NEW_TOKENS
+        torch.testing.assert_close(ours_value, oracle_value, atol=1e-5, rtol=1e-5)
+    assert replayed[2] == 0 and replayed[1] == replayed[3] == NEW_TOKENS - 2, replayed
+
+
+def test_a_skip_of_one_request_next_to_a_boundary_read_equals_the_all_eager_step(models):
+    """One prompt skips layer 2 with layer 1's output (read at its boundary), the other runs it: layer 1
+    replays inside its handoffs, layer 2 runs (the skip spliced into its output); the all-eager step's tokens."""
+    _, eager, ours, replayed, _, _ = models
+
+    def scenario(model):
+        with model.generate(max_new_tokens=NEW_TOKENS) as tracer:
+            with tracer.invoke(P):
+                for _ in tracer.all():
+                    model.model.layers[2].skip(model.model.layers[1].output)
+            with tracer.invoke(Q):
+                pass
+            with tracer.invoke():
+                ids = tracer.result.save()
+        return ids
+
+    assert torch.equal(scenario(ours).cpu(), scenario(eager).cpu())
+    assert replayed[1] == NEW_TOKENS - 2 and replayed[2] == 0, replayed
+
+
+GENERATE_SCENARIOS = [
+    "all_generated_tokens",
+    "generate_default_length",
+    "generate_repetition_penalty",
+    "generate_result",
+    "generate_several_invokes",
+    "iter_over_generated_tokens",
+    "iter_slice",
+    "samples_across_steps",
+    "steering_during_generation",
+]
+
+
+@pytest.fixture(scope="module")
+def conformance_models():
+    """nnsight on HF and nnrun with graph pieces on the conformance suite's tiny Llama."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "flashinfer", make_fake_flashinfer())
+        model = tiny_llama()
+        oracle = hf_language_model(twin(model), tiny_tokenizer())
+        ours = nnrun.LanguageModel(model, tokenizer=tiny_tokenizer(), cuda_graph_pieces=True)
+        capture_graphs(ours.engine)
+        assert ours.engine.runner.graph_pieces is not None
+        yield oracle, ours
+        ours.shutdown()
+
+
+@pytest.mark.parametrize("name", GENERATE_SCENARIOS)
+def test_generate_conformance_scenarios_with_pieces(conformance_models, name):
+    """nnsight's generate scenarios save on nnrun with graph pieces what they save on nnsight on HF."""
+    oracle, ours = conformance_models
+    assert_scenario_same(name, oracle, ours, tiny_tokenizer())
