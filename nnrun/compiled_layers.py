@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from nnsight.intervention.source import Controller  # nnsight's per-module `forward`, inert outside a trace
+
 from nnrun.config import DeviceConfig
 from nnrun.cuda_graph import GraphCapturer
 from nnrun.graph_pieces import decoder_layers
@@ -46,7 +48,7 @@ class CompiledLayersCapturer:
         self.layers = list(layers)
         if backend is not None:
             self.backend = backend
-        self._compiled: dict[Callable, Callable] = {}  # per layer class's forward function: its compiled form
+        self._compiled: dict[Callable, Callable] = {}  # per forward function: its compiled form
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
         with self.compiled_forwards():
@@ -54,24 +56,55 @@ class CompiledLayersCapturer:
 
     @contextmanager
     def compiled_forwards(self) -> Iterator[None]:
-        """Within: each layer's instance `forward` is its class forward, compiled; after, what it was."""
-        saved = [layer.__dict__.get("forward", _NO_FORWARD) for layer in self.layers]
+        """Within: each layer's `forward` is its own forward compiled, with no interpreter wrapper inside; after, as was.
+
+        nnsight's controllers (the instance `forward` it installs on every module it wraps) are set aside
+        in the layers and their modules: a graph runs no Python, so they would do nothing in it, and each
+        holds its own module's state, on which dynamo would guard, compiling once per layer.
+        """
+        saved = [
+            (module, module.__dict__.get("forward", _NO_FORWARD)) for layer in self.layers for module in layer.modules()
+        ]
         try:
             for layer in self.layers:
-                layer.__dict__["forward"] = types.MethodType(self._compiled_forward(type(layer).forward), layer)
+                for module in layer.modules():
+                    forward = _own_forward(module)
+                    if module is layer and forward is None:  # a wrapper of its own: compiled as it is
+                        module.__dict__["forward"] = self._compiled_forward(module.__dict__["forward"])
+                    elif module is layer:
+                        module.__dict__["forward"] = types.MethodType(self._compiled_forward(forward), module)
+                    elif forward is type(module).forward:
+                        module.__dict__.pop("forward", None)
+                    elif forward is not None:
+                        module.__dict__["forward"] = types.MethodType(forward, module)
             yield
         finally:
-            for layer, forward in zip(self.layers, saved):
+            for module, forward in saved:
                 if forward is _NO_FORWARD:
-                    layer.__dict__.pop("forward", None)
+                    module.__dict__.pop("forward", None)
                 else:
-                    layer.__dict__["forward"] = forward
+                    module.__dict__["forward"] = forward
 
     def _compiled_forward(self, forward: Callable) -> Callable:
         compiled = self._compiled.get(forward)
         if compiled is None:
             compiled = self._compiled[forward] = torch.compile(forward, backend=self.backend, dynamic=True)
         return compiled
+
+
+def _own_forward(module: torch.nn.Module) -> Callable | None:
+    """The module's forward as an unbound function, under any nnsight controller; None: leave its instance forward.
+
+    A module with accelerate's hook (offloaded weights) keeps its controller, which runs that hook.
+    """
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return type(module).forward
+    if isinstance(forward, Controller):
+        return None if "_hf_hook" in module.__dict__ else forward.state.original
+    if isinstance(forward, types.MethodType) and forward.__self__ is module:
+        return forward.__func__
+    return None
 
 
 def with_compiled_layers(capturer: GraphCapturer, model: torch.nn.Module, device: DeviceConfig) -> GraphCapturer:

@@ -82,17 +82,29 @@ def test_compiled_graphs_replay_the_uncompiled_tokens_and_logprobs_bitwise(count
     assert all("forward" not in layer.__dict__ for layer in decoder_layers(llm.model))
 
 
+@pytest.mark.slow  # two captures with compilation
 def test_one_compilation_serves_every_layer(counting):
-    """As many graphs compiled for 4 layers as for 1: no guard tells the layers apart (no recompile per layer)."""
+    """As many graphs compiled for 4 layers as for 1, whole-step graphs and pieces, under nnrun.LanguageModel
+    (nnsight's controller on every module): no guard tells the layers apart, so no recompile per layer."""
     frames = []
     for num_layers in (1, 4):
         torch._dynamo.reset()
         before = counting.frame_count
-        with nnrun.LLM(tiny_llama(seed=1, num_layers=num_layers), page_size=4, compile_decoder_layers=True) as llm:
-            capture_graphs(llm)
+        model = nnrun.LanguageModel(
+            tiny_llama(seed=1, num_layers=num_layers),
+            tokenizer=tiny_tokenizer(),
+            cuda_graph_pieces=True,
+            compile_decoder_layers=True,
+        )
+        try:
+            with model.trace("hello world"):  # nnsight's controllers installed on the layers' modules
+                model.model.layers[0].mlp.output.save()
+            capture_graphs(model.engine)
+            assert model.engine.runner.graph_pieces is not None
+        finally:
+            model.shutdown()
         frames.append(counting.frame_count - before)
     assert frames[0] == frames[1] > 0
-    assert frames[1] < torch._dynamo.config.recompile_limit * 8  # a handful per compiled frame (batch 1, dynamic)
 
 
 def test_a_forward_hook_fires_in_the_eager_steps_after_capture(counting):
@@ -111,6 +123,7 @@ def test_a_forward_hook_fires_in_the_eager_steps_after_capture(counting):
         assert counts == {"replayed": 3, "eager": 3}
 
 
+@pytest.mark.slow  # compiles whole-step graphs and pieces
 def test_a_trace_with_pieces_equals_nnsight_on_hf(counting):
     """nnrun.LanguageModel, whole-step graphs and per-layer pieces compiled: a layer saved at every step
     and the tokens equal nnsight on HF's; the unwatched layers replayed their compiled pieces."""
