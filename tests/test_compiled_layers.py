@@ -25,7 +25,7 @@ from fake_flashinfer import make_fake_flashinfer
 from model_zoo import random_prompts
 from nnrun.compiled_layers import CompiledLayersCapturer
 from nnrun.graph_pieces import decoder_layers
-from test_cuda_graphs import capture_graphs, count_decode_steps, greedy_params
+from test_cuda_graphs import GRAPH_SIZES, capture_graphs, count_decode_steps, greedy_params
 from test_flashinfer_emulated import make_sharp_model
 
 PROMPTS = random_prompts([3, 5, 7], seed=4)
@@ -37,12 +37,14 @@ class CountingBackend(CompileCounterWithBackend):
     def __init__(self, backend: str = "aot_eager") -> None:
         super().__init__(backend)
         self.runs = 0
+        self.recorded_runs = 0  # runs while the stand-in records a capture
 
     def __call__(self, gm, example_inputs):
         compiled = super().__call__(gm, example_inputs)
 
         def run(*args):
             self.runs += 1
+            self.recorded_runs += fake_cuda_graph._active_recorder is not None
             return compiled(*args)
 
         return run
@@ -76,7 +78,10 @@ def test_compiled_graphs_replay_the_uncompiled_tokens_and_logprobs_bitwise(count
     assert counting.frame_count == 0
     got, counts, llm = greedy_run(model, compiled=True)
     assert counts == {"replayed": 4, "eager": 0}
-    assert counting.frame_count > 0 and counting.runs > 0  # the captured graphs hold the compiled code
+    # Every layer of every recorded capture ran compiled graphs (the same number each): the graphs hold them
+    num_captures = len(GRAPH_SIZES) * model.config.num_hidden_layers
+    assert counting.frame_count > 0 and counting.recorded_runs > 0
+    assert counting.recorded_runs % num_captures == 0
     assert got == expected
     # Eager steps run HF's own forwards again: the layers' instance `forward` is gone
     assert all("forward" not in layer.__dict__ for layer in decoder_layers(llm.model))
@@ -138,9 +143,13 @@ def test_a_trace_with_pieces_equals_nnsight_on_hf(counting):
         capture_graphs(ours.engine)
         assert ours.engine.runner.graph_pieces is not None
         assert [layer.__dict__.get("forward") for layer in decoder_layers(ours.engine.runner.model)] == wrappers
-        runs = counting.runs
+        runs, replayed = counting.runs, []
+        gate = ours.engine.runner.watched_layers
+        replayed_one = gate.replayed
+        gate.replayed = lambda index: (replayed.append(index), replayed_one(index))
         hidden, ids = save_layer_every_step(ours, 2)
-        assert counting.runs == runs  # replays run no Python: the compiled graphs are not called again
+        assert counting.runs == runs  # eager layers run HF's forward; replays run no Python
+        assert set(replayed) == {0, 1, 3}  # the unwatched layers replayed their compiled pieces
         expected_hidden, expected_ids = save_layer_every_step(oracle, 2)
     finally:
         ours.shutdown()
