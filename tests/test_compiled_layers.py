@@ -12,6 +12,7 @@ Inductor itself is checked on CPU against the eager layer, and on a GPU against 
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 
 import pytest
@@ -205,7 +206,7 @@ class _Immediate:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_compiled_layers_match_the_fp32_oracle_as_closely_as_uncompiled_graphs():
+def test_gpu_compiled_layers_match_the_fp32_oracle_as_closely_as_uncompiled_graphs(monkeypatch):
     """The 8B shape's kernels in bf16 with inductor: each engine's logprobs against the fp32 twin; the compiled
     graphs' error stays within twice the uncompiled graphs' (bf16 rounding), and a hook still fires."""
     from test_gpu_flashinfer import TOL, assert_matches_oracle, fp32_twin, gpu_model, oracle_log_probs
@@ -214,10 +215,15 @@ def test_gpu_compiled_layers_match_the_fp32_oracle_as_closely_as_uncompiled_grap
     oracle = fp32_twin(model)
     prompts = random_prompts([5, 17, 40, 9], seed=7)
     params = nnrun.SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=0, logprobs=0, ignore_eos=True)
+    counter = CompileCounterWithBackend("inductor")
+    monkeypatch.setattr(CompiledLayersCapturer, "backend", counter)
     errors = {}
     for compiled in (False, True):
         kwargs = dict(device="cuda", dtype=torch.bfloat16, attention_backend="flashinfer", page_size=16)
+        start = time.perf_counter()
         with nnrun.LLM(model, compile_decoder_layers=compiled, cuda_graph_batch_sizes=[1, 2, 4], **kwargs) as llm:
+            print(f"compile_decoder_layers={compiled}: engine ready in {time.perf_counter() - start:.1f} s")
+            assert (counter.frame_count > 0) == compiled
             counts = count_decode_steps(llm)
             outputs = llm.generate(prompts, params)
             assert counts["replayed"] > 0 and counts["eager"] == 0
