@@ -121,6 +121,9 @@ class DeviceConfig:
     # Decode steps that blocks watch replay per-layer graphs around the watched layers (`graph_pieces.py`);
     # off, such steps run eagerly. None: on where graphs are captured on CUDA (checked on an H200, docs/gpu.md).
     cuda_graph_pieces: bool | None = None
+    # The captured decode graphs run the decoder layers torch.compile'd (inductor fuses HF's elementwise ops);
+    # eager steps keep HF's modules (nnrun/compiled_layers.py). Off: compiling costs start-up time.
+    compile_decoder_layers: bool = False
     torch_dtype: torch.dtype = field(init=False)
 
     def graph_pieces_on(self, device: torch.device) -> bool:

@@ -16,6 +16,7 @@ from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBack
 from nnrun.attention.classic import adapt_classic_attention
 from nnrun.attention.indexer import IndexerKeyPool, adapt_indexers
 from nnrun.attention.selection import create_attention_backend
+from nnrun.compiled_layers import with_compiled_layers
 from nnrun.config import EngineConfig
 from nnrun.cuda_graph import CudaGraphCapturer, DecodeGraphRunner, GraphCapturer, default_batch_sizes
 from nnrun.exact import FORCED_REASON, HFForward, choose_exact_forward, packed_layers
@@ -173,6 +174,7 @@ class ModelRunner(KVPoolSetup):
             if self.device.type != "cuda":
                 return
             capturer = CudaGraphCapturer(self.device)
+        capturer = with_compiled_layers(capturer, self.model, self.config.device)
         if not self.attn_backend.supports_cuda_graphs:
             logger.info(
                 "decode steps run eagerly: the %s attention backend cannot run in CUDA graphs", self.attn_backend.name

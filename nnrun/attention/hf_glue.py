@@ -46,6 +46,8 @@ def paged_attention_forward(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, AttentionProbs | None]:
+    if torch.compiler.is_compiling():  # dynamo breaks the graph here (see `_untraced_attention_forward`)
+        return _untraced_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     backend = current_backend()
     if backend is None:  # the user calls the model directly (plain HF use): behave exactly as HF would
         return _plain_attention(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
@@ -90,6 +92,12 @@ def paged_attention_forward(
         return out.unsqueeze(0), None  # [1, N, Hq, Dv]
     # After the backend: it has written this layer's K into the pool, and its output stays as it is.
     return out.unsqueeze(0), probs_plan.compute(backend.kv_pool, module.layer_idx, q, terms)
+
+
+# Under torch.compile (decoder layers compiled into the decode graphs, nnrun/compiled_layers.py) the call runs
+# untraced: the backends plan in Python and call FlashInfer's kernels, which dynamo must not trace. Checked
+# inside rather than registering the disabled function: a disabled call costs eager steps ~1 us per layer.
+_untraced_attention_forward = torch.compiler.disable(paged_attention_forward)
 
 
 _CHUNK_SIZE = "_nnrun_attention_chunk_size"  # a module's chunk, read from its config on its first call

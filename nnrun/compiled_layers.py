@@ -1,0 +1,119 @@
+"""Decoder layers compiled with torch.compile inside the captured decode graphs (an engine option, off by default).
+
+An eager decode step launches some 47 kernels per Llama layer: HF's unfused RMSNorm, rotary
+embedding, SiLU-and-multiply, casts and residual adds around the GEMMs. Inside a CUDA graph the
+launches are cheap, but each kernel still reads and writes its tensor; inductor fuses the
+elementwise ones. `CompiledLayersCapturer` wraps the runner's capturer: while it warms up and
+captures, each decoder layer's `forward` is the compiled one, and afterwards the layers get
+their own forwards back. So only the captured graphs (whole-step decode graphs and the
+per-layer pieces of `graph_pieces.py`) hold the fused kernels; every step that runs eagerly
+(prefill, traced steps, hooks, nnsight) runs HF's modules untouched, and a module boundary
+that someone watches is never inside a compiled region.
+
+One compiled function serves every layer and batch size: it is compiled from the layer class's
+forward with dynamic shapes, and with dynamo's default of inlining `nn.Module`s their weights are
+graph inputs, not constants, so the layers share one set of guards. The attention call is not
+traced (`nnrun.attention.hf_glue` disables dynamo there): the backends plan in Python.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+from nnsight.intervention.source import Controller  # nnsight's per-module `forward`, inert outside a trace
+
+from nnrun.config import DeviceConfig
+from nnrun.cuda_graph import GraphCapturer
+from nnrun.graph_pieces import decoder_layers
+
+logger = logging.getLogger(__name__)
+
+_NO_FORWARD = object()
+
+
+class CompiledLayersCapturer:
+    """A `GraphCapturer` whose captures run the decoder layers' compiled forwards; eager calls stay HF's."""
+
+    backend: str | Callable = "inductor"  # torch.compile's backend (the CPU tests, recording aten ops, use aot_eager)
+
+    def __init__(
+        self, inner: GraphCapturer, layers: torch.nn.ModuleList, backend: str | Callable | None = None
+    ) -> None:
+        self.inner = inner
+        self.layers = list(layers)
+        if backend is not None:
+            self.backend = backend
+        self._compiled: dict[Callable, Callable] = {}  # per forward function: its compiled form
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+        with self.compiled_forwards():
+            return self.inner.capture(fn)
+
+    @contextmanager
+    def compiled_forwards(self) -> Iterator[None]:
+        """Within: each layer's `forward` is its own forward compiled, with no interpreter wrapper inside; after, as was.
+
+        nnsight's controllers (the instance `forward` it installs on every module it wraps) are set aside
+        in the layers and their modules: a graph runs no Python, so they would do nothing in it, and each
+        holds its own module's state, on which dynamo would guard, compiling once per layer.
+        """
+        saved = [
+            (module, module.__dict__.get("forward", _NO_FORWARD)) for layer in self.layers for module in layer.modules()
+        ]
+        try:
+            for layer in self.layers:
+                for module in layer.modules():
+                    forward = _own_forward(module)
+                    if module is layer and forward is None:  # a wrapper of its own: compiled as it is
+                        module.__dict__["forward"] = self._compiled_forward(module.__dict__["forward"])
+                    elif module is layer:
+                        module.__dict__["forward"] = types.MethodType(self._compiled_forward(forward), module)
+                    elif forward is type(module).forward:
+                        module.__dict__.pop("forward", None)
+                    elif forward is not None:
+                        module.__dict__["forward"] = types.MethodType(forward, module)
+            yield
+        finally:
+            for module, forward in saved:
+                if forward is _NO_FORWARD:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.__dict__["forward"] = forward
+
+    def _compiled_forward(self, forward: Callable) -> Callable:
+        compiled = self._compiled.get(forward)
+        if compiled is None:
+            compiled = self._compiled[forward] = torch.compile(forward, backend=self.backend, dynamic=True)
+        return compiled
+
+
+def _own_forward(module: torch.nn.Module) -> Callable | None:
+    """The module's forward as an unbound function, under any nnsight controller; None: leave its instance forward.
+
+    A module with accelerate's hook (offloaded weights) keeps its controller, which runs that hook.
+    """
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return type(module).forward
+    if isinstance(forward, Controller):
+        return None if "_hf_hook" in module.__dict__ else forward.state.original
+    if isinstance(forward, types.MethodType) and forward.__self__ is module:
+        return forward.__func__
+    return None
+
+
+def with_compiled_layers(capturer: GraphCapturer, model: torch.nn.Module, device: DeviceConfig) -> GraphCapturer:
+    """`capturer`, or it wrapped to compile the decoder layers where `device.compile_decoder_layers` asks."""
+    if not device.compile_decoder_layers:
+        return capturer
+    layers = decoder_layers(model)
+    if layers is None:
+        logger.info("decoder layers not compiled: no list of decoder layers found")
+        return capturer
+    logger.info("decode graphs capture %d decoder layers compiled with torch.compile", len(layers))
+    return CompiledLayersCapturer(capturer, layers)
