@@ -55,6 +55,8 @@ PRIVATE_ATTRIBUTES = {
     "State.body / State.routes (module.__dict__[STATE])": "a decoder layer watched only at its input or output "
     "runs its graph piece as the controller's body for one call, between its handoffs; `routes` names those "
     "handoffs' locations (interleaver/watched_layers.py)",
+    "Controller.state.original": "a module's own forward under nnsight's controller: compiled decoder layers "
+    "(nnrun/compiled_layers.py) compile it, with the controllers set aside, inside the captured graphs",
 }
 
 

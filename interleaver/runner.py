@@ -24,12 +24,13 @@ handoffs, and `WatchedLayers` keeps the visit counts as if it had run.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from nnsight import NNsight
+from nnsight.intervention.source import Controller
 
 from interleaver.batcher import InvalidWriteError, PackedBatcher
 from interleaver.generator import serve_prompts, serve_step_tokens
@@ -53,6 +54,14 @@ class NNsightGPUModelRunner(ModelRunner):
     """A ModelRunner that serves nnsight interventions riding on its requests."""
 
     captures_graph_pieces = True  # a watched decode step replays the decoder layers no block waits inside
+
+    def own_forward(self, module: torch.nn.Module) -> Callable | None:
+        """Under nnsight's controller (the instance `forward` it installs, inert outside a trace), the module's
+        own forward; a module with accelerate's hook (offloaded weights) keeps its controller, which runs it."""
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, Controller):
+            return None if "_hf_hook" in module.__dict__ else forward.state.original
+        return super().own_forward(module)
 
     def load_model(self) -> None:
         super().load_model()

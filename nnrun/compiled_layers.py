@@ -25,8 +25,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from nnsight.intervention.source import Controller  # nnsight's per-module `forward`, inert outside a trace
-
 from nnrun.config import DeviceConfig
 from nnrun.cuda_graph import GraphCapturer
 from nnrun.graph_pieces import decoder_layers
@@ -42,10 +40,15 @@ class CompiledLayersCapturer:
     backend: str | Callable = "inductor"  # torch.compile's backend (the CPU tests, recording aten ops, use aot_eager)
 
     def __init__(
-        self, inner: GraphCapturer, layers: torch.nn.ModuleList, backend: str | Callable | None = None
+        self,
+        inner: GraphCapturer,
+        layers: torch.nn.ModuleList,
+        backend: str | Callable | None = None,
+        own_forward: OwnForward | None = None,
     ) -> None:
         self.inner = inner
         self.layers = list(layers)
+        self.own_forward = own_forward or plain_own_forward
         if backend is not None:
             self.backend = backend
         self._compiled: dict[Callable, Callable] = {}  # per forward function: its compiled form
@@ -58,9 +61,10 @@ class CompiledLayersCapturer:
     def compiled_forwards(self) -> Iterator[None]:
         """Within: each layer's `forward` is its own forward compiled, with no interpreter wrapper inside; after, as was.
 
-        nnsight's controllers (the instance `forward` it installs on every module it wraps) are set aside
-        in the layers and their modules: a graph runs no Python, so they would do nothing in it, and each
-        holds its own module's state, on which dynamo would guard, compiling once per layer.
+        Wrappers that `own_forward` sees through (nnsight's controllers, the instance `forward` it installs
+        on every module it wraps: the runner's seam) are set aside in the layers and their modules: a graph
+        runs no Python, so they would do nothing in it, and each holds its own module's state, on which
+        dynamo would guard, compiling once per layer.
         """
         saved = [
             (module, module.__dict__.get("forward", _NO_FORWARD)) for layer in self.layers for module in layer.modules()
@@ -68,7 +72,7 @@ class CompiledLayersCapturer:
         try:
             for layer in self.layers:
                 for module in layer.modules():
-                    forward = _own_forward(module)
+                    forward = self.own_forward(module)
                     if module is layer and forward is None:  # a wrapper of its own: compiled as it is
                         module.__dict__["forward"] = self._compiled_forward(module.__dict__["forward"])
                     elif module is layer:
@@ -92,23 +96,24 @@ class CompiledLayersCapturer:
         return compiled
 
 
-def _own_forward(module: torch.nn.Module) -> Callable | None:
-    """The module's forward as an unbound function, under any nnsight controller; None: leave its instance forward.
+OwnForward = Callable[[torch.nn.Module], "Callable | None"]
 
-    A module with accelerate's hook (offloaded weights) keeps its controller, which runs that hook.
-    """
+
+def plain_own_forward(module: torch.nn.Module) -> Callable | None:
+    """The module's forward as an unbound function; None: leave its instance forward (a wrapper nnrun does not know)."""
     forward = module.__dict__.get("forward")
     if forward is None:
         return type(module).forward
-    if isinstance(forward, Controller):
-        return None if "_hf_hook" in module.__dict__ else forward.state.original
     if isinstance(forward, types.MethodType) and forward.__self__ is module:
         return forward.__func__
     return None
 
 
-def with_compiled_layers(capturer: GraphCapturer, model: torch.nn.Module, device: DeviceConfig) -> GraphCapturer:
-    """`capturer`, or it wrapped to compile the decoder layers where `device.compile_decoder_layers` asks."""
+def with_compiled_layers(
+    capturer: GraphCapturer, model: torch.nn.Module, device: DeviceConfig, own_forward: OwnForward | None = None
+) -> GraphCapturer:
+    """`capturer`, or it wrapped to compile the decoder layers where `device.compile_decoder_layers` asks;
+    `own_forward`: a module's own forward under the wrappers the runner installs (`plain_own_forward`)."""
     if not device.compile_decoder_layers:
         return capturer
     layers = decoder_layers(model)
@@ -116,4 +121,4 @@ def with_compiled_layers(capturer: GraphCapturer, model: torch.nn.Module, device
         logger.info("decoder layers not compiled: no list of decoder layers found")
         return capturer
     logger.info("decode graphs capture %d decoder layers compiled with torch.compile", len(layers))
-    return CompiledLayersCapturer(capturer, layers)
+    return CompiledLayersCapturer(capturer, layers, own_forward=own_forward)

@@ -7,7 +7,7 @@ import sys
 import threading
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.nn.modules import module as nn_module
@@ -16,7 +16,7 @@ from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBack
 from nnrun.attention.classic import adapt_classic_attention
 from nnrun.attention.indexer import IndexerKeyPool, adapt_indexers
 from nnrun.attention.selection import create_attention_backend
-from nnrun.compiled_layers import with_compiled_layers
+from nnrun.compiled_layers import plain_own_forward, with_compiled_layers
 from nnrun.config import EngineConfig
 from nnrun.cuda_graph import CudaGraphCapturer, DecodeGraphRunner, GraphCapturer, default_batch_sizes
 from nnrun.exact import FORCED_REASON, HFForward, choose_exact_forward, packed_layers
@@ -174,7 +174,7 @@ class ModelRunner(KVPoolSetup):
             if self.device.type != "cuda":
                 return
             capturer = CudaGraphCapturer(self.device)
-        capturer = with_compiled_layers(capturer, self.model, self.config.device)
+        capturer = with_compiled_layers(capturer, self.model, self.config.device, self.own_forward)
         if not self.attn_backend.supports_cuda_graphs:
             logger.info(
                 "decode steps run eagerly: the %s attention backend cannot run in CUDA graphs", self.attn_backend.name
@@ -192,6 +192,10 @@ class ModelRunner(KVPoolSetup):
                 and self.config.parallel.tensor_parallel_size == 1
             ):
                 self.path.pieces = capture_decoder_layer_pieces(self.model, self.path.graphs, capturer)
+
+    def own_forward(self, module: torch.nn.Module) -> Callable | None:
+        """A module's own forward under the wrappers this runner installs (compiled layers call it in captures)."""
+        return plain_own_forward(module)
 
     def can_use_cuda_graph(self, forward_batch: ForwardBatch) -> bool:
         """Whether this step may replay a captured graph: a decode step nothing watches.
