@@ -8,9 +8,10 @@ as a plain HF model with sdpa attention, so users can still call it directly.
 
 from __future__ import annotations
 
+import functools
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from transformers import AttentionInterface
@@ -83,6 +84,9 @@ def paged_attention_forward(
         half_scores=HalfScores.EAGER if kwargs.get("softcap") is not None else kwargs.get("half_scores"),
         key_indices=None if picks is None else picks[0].long(),  # [N, K]
         relative_logits=relative_logits,
+        # HF runs a layer with sinks in its file's eager code (sdpa drops them): in half precision, its rounding
+        half_eager=None if sinks is None or query.dtype == torch.float32 else half_eager(module),
+        num_value_parts=kwargs.get("num_value_parts", 1),
     )
     out = backend.forward(module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1), terms)  # [N, Hq, Dv]
     probs_plan = current_probs_plan()
@@ -90,6 +94,18 @@ def paged_attention_forward(
         return out.unsqueeze(0), None  # [1, N, Hq, Dv]
     # After the backend: it has written this layer's K into the pool, and its output stays as it is.
     return out.unsqueeze(0), probs_plan.compute(backend.kv_pool, module.layer_idx, q, terms)
+
+
+_HALF_EAGER = "_nnrun_half_eager"  # a module's eager attention bound to it, looked up on its first call
+
+
+def half_eager(module: torch.nn.Module) -> Callable | None:
+    """The module's own file's `eager_attention_forward` bound to it (None if its file has none), looked up once."""
+    bound = module.__dict__.get(_HALF_EAGER, _HALF_EAGER)
+    if bound is _HALF_EAGER:
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        bound = module.__dict__[_HALF_EAGER] = None if eager is None else functools.partial(eager, module)
+    return bound
 
 
 _CHUNK_SIZE = "_nnrun_attention_chunk_size"  # a module's chunk, read from its config on its first call
