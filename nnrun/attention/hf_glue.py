@@ -84,8 +84,11 @@ def paged_attention_forward(
         half_scores=HalfScores.EAGER if kwargs.get("softcap") is not None else kwargs.get("half_scores"),
         key_indices=None if picks is None else picks[0].long(),  # [N, K]
         relative_logits=relative_logits,
-        # HF runs a layer with sinks in its file's eager code (sdpa drops them): in half precision, its rounding
-        half_eager=None if sinks is None or query.dtype == torch.float32 else half_eager(module),
+        # HF runs a layer with sinks (per head, or per query: Inkling 2) in its file's eager code (sdpa takes
+        # none): in half precision, its rounding
+        half_eager=None
+        if (sinks is None and per_query_sinks is None) or query.dtype == torch.float32
+        else half_eager(module),
         num_value_parts=kwargs.get("num_value_parts", 1),
     )
     out = backend.forward(module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1), terms)  # [N, Hq, Dv]

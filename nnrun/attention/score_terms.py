@@ -35,10 +35,12 @@ class ScoreTerms:
     # ALiBi: [Hq] float32 slopes; `slope * (key_pos - query_pos)` joins each scaled score (Bloom, MPT, Falcon)
     alibi_slopes: torch.Tensor | None = None
     half_scores: HalfScores | None = None  # how HF rounds the scores in half precision (Bloom, MPT, softcaps)
-    # HF's own eager attention of a layer that HF runs only in it (attention sinks: gpt-oss, Flint, Granite SWA),
-    # bound to its module: `(query [G, Hq, n, D], key, value [G, Hkv, L, D], additive mask, scaling=...)` ->
-    # `(out [G, n, Hq, Dv], weights)`. Each such file rounds in its own places; in half precision the torch
-    # backend runs it on each group's gathered keys, so that the rounding is HF's.
+    # HF's own eager attention of a layer that HF runs only in it (attention sinks: gpt-oss, Flint, Granite SWA,
+    # Inkling 2), bound to its module: `(query [G, Hq, n, D], key, value [G, Hkv, L, D], additive mask,
+    # scaling=..., position_bias=[G, Hq, n, L], sinks=[G, Hq, n, 1])` -> `(out [G, n, Hq, Dv], weights)`, the
+    # last two (Inkling 2's relative logits and per-query sinks, dense as HF passes them) only where given.
+    # Each such file rounds in its own places, its matmuls too: in half precision the torch backend runs it
+    # on each group's gathered keys, so that the rounding is HF's.
     half_eager: Callable | None = None
     # The values are this many equal parts on the last dim that HF attends in separate calls (DiffLlama's two
     # halves, joined so that the pool keeps one V): half-precision kernels round each call as its own

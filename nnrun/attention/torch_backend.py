@@ -111,8 +111,6 @@ class TorchAttnBackend(AttentionBackend):
                 q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), terms, attn_mask=allowed
             )  # [B, Hq, 1, Dv]
             return out[:, :, 0]
-        if terms.half_eager is not None and q.dtype != torch.float32:
-            return _run_hf_eager(terms, q[:, None], keys, values, allowed)[:, 0]  # [B, Hq, Dv]
         bias = None
         kv_pos = torch.arange(keys.shape[1], device=q.device)  # [L]
         distance = kv_pos[None, :] - (meta.decode_seq_lens - 1)[:, None]  # [B, L] key_pos - query_pos
@@ -124,6 +122,8 @@ class TorchAttnBackend(AttentionBackend):
             bias = relative if bias is None else bias + relative  # [B, Hkv, R, 1, L]
         if sinks is not None and sinks.dim() == 2:  # [B, Hq] one sink logit per request's query
             sinks = sinks[:, None]  # [B, 1, Hq]
+        if terms.half_eager is not None and q.dtype != torch.float32:
+            return _run_hf_eager(terms, q[:, None], keys, values, allowed, bias, sinks)[:, 0]  # [B, Hq, Dv]
         out = _eager_attend(
             q[:, None], keys, values, allowed[:, None], terms.scaling, softcap, sinks, bias, terms.half_scores
         )
@@ -241,7 +241,7 @@ def _attend(q, k, v, prefix_len, terms: ScoreTerms):
     if allowed is None:
         allowed = torch.ones((q_len, kv_len), dtype=torch.bool, device=q.device).tril()
     if terms.half_eager is not None and q.dtype != torch.float32:
-        return _run_hf_eager(terms, q, k, v, allowed)
+        return _run_hf_eager(terms, q, k, v, allowed, bias, sinks)
     if picks is not None:
         allowed = allowed[:, :, None]  # [G, 1, 1, n, L] against eager's [G, Hkv, R, n, L]
     return _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias, terms.half_scores)
@@ -265,14 +265,21 @@ def _sdpa(q, k, v, terms: ScoreTerms, attn_mask=None, is_causal: bool = False) -
     return torch.cat([F.scaled_dot_product_attention(q, k, part, **kwargs) for part in parts], dim=-1)
 
 
-def _run_hf_eager(terms: ScoreTerms, q, k, v, allowed) -> torch.Tensor:
+def _run_hf_eager(terms: ScoreTerms, q, k, v, allowed, bias, sinks) -> torch.Tensor:
     """HF's own eager attention of the layer (`terms.half_eager`) on q [G, n, Hq, D], k/v [G, L, Hkv, D]: `[G, n, Hq, Dv]`.
 
     `allowed` (bool, broadcast to `[G, Hq, n, L]`) becomes HF's additive eager mask: 0, or the dtype's minimum.
+    Relative logits' `bias` (float32 `[G, Hkv, R, n, L]`) and per-query `sinks` (`[G, n, Hq]`) go in as HF's
+    module passes them; per-head sinks the eager code reads from its module.
     """
     mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)
+    extra = {}
+    if bias is not None:
+        extra["position_bias"] = bias.flatten(-4, -3).to(q.dtype)  # [G, Hq, n, L], HF's values in the dtype
+    if sinks is not None and sinks.dim() > 1:  # one per query (per-head ones, [Hq], are the module's)
+        extra["sinks"] = sinks.transpose(1, 2)[..., None]  # [G, Hq, n, 1]
     out, _ = terms.half_eager(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scaling=terms.scaling, dropout=0.0
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scaling=terms.scaling, dropout=0.0, **extra
     )
     return out  # [G, n, Hq, Dv]
 
