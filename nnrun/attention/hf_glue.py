@@ -71,6 +71,7 @@ def paged_attention_forward(
         if relative_logits is not None:
             relative_logits = (relative_logits * factors).to(relative_logits.dtype)  # [N, Hq, E]
     sinks = kwargs.get("s_aux")
+    has_sinks = sinks is not None or per_query_sinks is not None
     picks = kwargs.get("indices")  # DSA sparse attention: [1, N, K] the keys each query's indexer picked
     terms = ScoreTerms(
         scaling,
@@ -84,11 +85,9 @@ def paged_attention_forward(
         half_scores=HalfScores.EAGER if kwargs.get("softcap") is not None else kwargs.get("half_scores"),
         key_indices=None if picks is None else picks[0].long(),  # [N, K]
         relative_logits=relative_logits,
-        # HF runs a layer with sinks (per head, or per query: Inkling 2) in its file's eager code (sdpa takes
-        # none): in half precision, its rounding
-        half_eager=None
-        if (sinks is None and per_query_sinks is None) or query.dtype == torch.float32
-        else half_eager(module),
+        # HF runs a layer with sinks (per head, or per query: Inkling 2) in its file's eager code, as sdpa takes
+        # none: in half precision the backend runs that code, for its rounding
+        half_eager=module_eager(module) if has_sinks and query.dtype != torch.float32 else None,
         num_value_parts=kwargs.get("num_value_parts", 1),
     )
     out = backend.forward(module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1), terms)  # [N, Hq, Dv]
@@ -99,15 +98,15 @@ def paged_attention_forward(
     return out.unsqueeze(0), probs_plan.compute(backend.kv_pool, module.layer_idx, q, terms)
 
 
-_HALF_EAGER = "_nnrun_half_eager"  # a module's eager attention bound to it, looked up on its first call
+_MODULE_EAGER = "_nnrun_module_eager"  # a module's eager attention bound to it, looked up on its first call
 
 
-def half_eager(module: torch.nn.Module) -> Callable | None:
+def module_eager(module: torch.nn.Module) -> Callable | None:
     """The module's own file's `eager_attention_forward` bound to it (None if its file has none), looked up once."""
-    bound = module.__dict__.get(_HALF_EAGER, _HALF_EAGER)
-    if bound is _HALF_EAGER:
+    bound = module.__dict__.get(_MODULE_EAGER, _MODULE_EAGER)
+    if bound is _MODULE_EAGER:
         eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        bound = module.__dict__[_HALF_EAGER] = None if eager is None else functools.partial(eager, module)
+        bound = module.__dict__[_MODULE_EAGER] = None if eager is None else functools.partial(eager, module)
     return bound
 
 

@@ -17,7 +17,8 @@ class HalfScores(Enum):
     is large (slope x position ~100), where one bf16 step is ~1 nat, and a softcap's tanh adds its own steps.
     """
 
-    # One baddbmm: any bias (Bloom's, at key positions) rounded, plus scaled q.k, rounded once (Bloom, GPT-NeoX-Japanese)
+    # One baddbmm: any bias (Bloom's, at key positions) rounded, plus scaled q.k, rounded once (Bloom,
+    # GPT-NeoX-Japanese, whose bias is zeros)
     BIAS_THEN_ROUND = "bias then round"
     EAGER = "eager"  # q.k, its scaling and softcap each rounded, then any bias in float32 (MPT, Gemma 2's softcap)
 

@@ -266,7 +266,7 @@ def _sdpa(q, k, v, terms: ScoreTerms, attn_mask=None, is_causal: bool = False) -
 
 
 def _run_hf_eager(terms: ScoreTerms, q, k, v, allowed, bias, sinks) -> torch.Tensor:
-    """HF's own eager attention of the layer (`terms.half_eager`) on q [G, n, Hq, D], k/v [G, L, Hkv, D]: `[G, n, Hq, Dv]`.
+    """The layer's own HF eager attention (`terms.half_eager`): q [G, n, Hq, D], k/v [G, L, Hkv, D] -> [G, n, Hq, Dv].
 
     `allowed` (bool, broadcast to `[G, Hq, n, L]`) becomes HF's additive eager mask: 0, or the dtype's minimum.
     Relative logits' `bias` (float32 `[G, Hkv, R, n, L]`) and per-query `sinks` (`[G, n, Hq]`) go in as HF's

@@ -9,8 +9,8 @@ the argument their forward names. A few keep their state elsewhere, and get it t
 - xLSTM's blocks take their layer's `(C, n, m)` and return the new one (`XlstmState`).
 
 Each bridge puts the rows' states (from the `RowsCache`; None for a fresh prefill, where HF's
-code starts from its own initial state, or xLSTM's from its cache's) where HF's code reads them, calls HF's forward, and
-leaves the new states in the `RowsCache` for the pool.
+code starts from its own initial state, xLSTM's from its cache's) where HF's code reads them,
+calls HF's forward, and leaves the new states in the `RowsCache` for the pool.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class XlstmState:
 
 
 def _xlstm_zero_states(config, num_rows: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """A layer's `(C, n, m)` as HF's `xLSTMCache` starts them: `[B, nh, dqk, dv]`, `[B, nh, dqk]`, `[B, nh, 1]` zeros."""
+    """A layer's `(C, n, m)` as HF's `xLSTMCache` starts them: zeros `[B, nh, dqk, dv]`, `[B, nh, dqk]`, `[B, nh, 1]`"""
     heads, dqk = config.num_heads, config.qk_head_dim
     shapes = ((num_rows, heads, dqk, config.v_head_dim), (num_rows, heads, dqk), (num_rows, heads, 1))
     return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
