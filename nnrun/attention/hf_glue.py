@@ -8,9 +8,10 @@ as a plain HF model with sdpa attention, so users can still call it directly.
 
 from __future__ import annotations
 
+import functools
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from transformers import AttentionInterface
@@ -72,6 +73,7 @@ def paged_attention_forward(
         if relative_logits is not None:
             relative_logits = (relative_logits * factors).to(relative_logits.dtype)  # [N, Hq, E]
     sinks = kwargs.get("s_aux")
+    has_sinks = sinks is not None or per_query_sinks is not None
     picks = kwargs.get("indices")  # DSA sparse attention: [1, N, K] the keys each query's indexer picked
     terms = ScoreTerms(
         scaling,
@@ -85,6 +87,10 @@ def paged_attention_forward(
         half_scores=HalfScores.EAGER if kwargs.get("softcap") is not None else kwargs.get("half_scores"),
         key_indices=None if picks is None else picks[0].long(),  # [N, K]
         relative_logits=relative_logits,
+        # HF runs a layer with sinks (per head, or per query: Inkling 2) in its file's eager code, as sdpa takes
+        # none: in half precision the backend runs that code, for its rounding
+        half_eager=module_eager(module) if has_sinks and query.dtype != torch.float32 else None,
+        num_value_parts=kwargs.get("num_value_parts", 1),
     )
     out = backend.forward(module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1), terms)  # [N, Hq, Dv]
     probs_plan = current_probs_plan()
@@ -98,6 +104,18 @@ def paged_attention_forward(
 # untraced: the backends plan in Python and call FlashInfer's kernels, which dynamo must not trace. Checked
 # inside rather than registering the disabled function: a disabled call costs eager steps ~1 us per layer.
 _untraced_attention_forward = torch.compiler.disable(paged_attention_forward)
+
+
+_MODULE_EAGER = "_nnrun_module_eager"  # a module's eager attention bound to it, looked up on its first call
+
+
+def module_eager(module: torch.nn.Module) -> Callable | None:
+    """The module's own file's `eager_attention_forward` bound to it (None if its file has none), looked up once."""
+    bound = module.__dict__.get(_MODULE_EAGER, _MODULE_EAGER)
+    if bound is _MODULE_EAGER:
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        bound = module.__dict__[_MODULE_EAGER] = None if eager is None else functools.partial(eager, module)
+    return bound
 
 
 _CHUNK_SIZE = "_nnrun_attention_chunk_size"  # a module's chunk, read from its config on its first call

@@ -105,14 +105,10 @@ class TorchAttnBackend(AttentionBackend):
         meta = self.metadata
         if key_indices is not None:  # [B, K] each query's picks (DSA sparse attention)
             allowed = allowed & selected_keys(key_indices, keys.shape[1])[:, None, None, :]  # [B, 1, 1, L]
-        if softcap is None and sinks is None and alibi_slopes is None and relative_logits is None:
-            out = F.scaled_dot_product_attention(
-                q[:, :, None, :],
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=allowed,
-                scale=terms.scaling,
-                enable_gqa=q.shape[1] != keys.shape[2],
+        plain = softcap is None and sinks is None and alibi_slopes is None and relative_logits is None
+        if plain and not terms.rounds_as_hf_eager(q.dtype):
+            out = _sdpa(
+                q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), terms, attn_mask=allowed
             )  # [B, Hq, 1, Dv]
             return out[:, :, 0]
         bias = None
@@ -126,6 +122,8 @@ class TorchAttnBackend(AttentionBackend):
             bias = relative if bias is None else bias + relative  # [B, Hkv, R, 1, L]
         if sinks is not None and sinks.dim() == 2:  # [B, Hq] one sink logit per request's query
             sinks = sinks[:, None]  # [B, 1, Hq]
+        if terms.half_eager is not None and q.dtype != torch.float32:
+            return _run_hf_eager(terms, q[:, None], keys, values, allowed, bias, sinks)[:, 0]  # [B, Hq, Dv]
         out = _eager_attend(
             q[:, None], keys, values, allowed[:, None], terms.scaling, softcap, sinks, bias, terms.half_scores
         )
@@ -235,22 +233,55 @@ def _attend(q, k, v, prefix_len, terms: ScoreTerms):
             bias = by_distance if bias is None else bias + by_distance  # [G, Hkv, R, n, L]
         if picks is not None:  # per request and query: [G, 1, n, L], heads broadcast
             allowed = (allowed & selected_keys(picks, kv_len))[:, None]
-    if softcap is None and sinks is None and bias is None:
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=allowed,
-            is_causal=allowed is None and q_len > 1,
-            scale=scaling,
-            enable_gqa=q.shape[2] != k.shape[2],
+    if softcap is None and sinks is None and bias is None and not terms.rounds_as_hf_eager(q.dtype):
+        out = _sdpa(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), terms, allowed, allowed is None and q_len > 1
         )  # [G, Hq, n, Dv]
         return out.transpose(1, 2)
     if allowed is None:
         allowed = torch.ones((q_len, kv_len), dtype=torch.bool, device=q.device).tril()
-    elif picks is not None:
+    if terms.half_eager is not None and q.dtype != torch.float32:
+        return _run_hf_eager(terms, q, k, v, allowed, bias, sinks)
+    if picks is not None:
         allowed = allowed[:, :, None]  # [G, 1, 1, n, L] against eager's [G, Hkv, R, n, L]
     return _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias, terms.half_scores)
+
+
+def _sdpa(q, k, v, terms: ScoreTerms, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+    """torch's SDPA on q [G, Hq, n, D], k/v [G, Hkv, L, D(v)]: `[G, Hq, n, Dv]`.
+
+    Values of `terms.num_value_parts` parts attend one call per part in half precision, as HF's calls do:
+    the kernel's rounding depends on the values' width. In float32 one call gives the same numbers.
+    """
+    kwargs = {
+        "attn_mask": attn_mask,
+        "is_causal": is_causal,
+        "scale": terms.scaling,
+        "enable_gqa": q.shape[1] != k.shape[1],
+    }
+    if terms.num_value_parts == 1 or q.dtype == torch.float32:
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+    parts = v.chunk(terms.num_value_parts, dim=-1)
+    return torch.cat([F.scaled_dot_product_attention(q, k, part, **kwargs) for part in parts], dim=-1)
+
+
+def _run_hf_eager(terms: ScoreTerms, q, k, v, allowed, bias, sinks) -> torch.Tensor:
+    """The layer's own HF eager attention (`terms.half_eager`): q [G, n, Hq, D], k/v [G, L, Hkv, D] -> [G, n, Hq, Dv].
+
+    `allowed` (bool, broadcast to `[G, Hq, n, L]`) becomes HF's additive eager mask: 0, or the dtype's minimum.
+    Relative logits' `bias` (float32 `[G, Hkv, R, n, L]`) and per-query `sinks` (`[G, n, Hq]`) go in as HF's
+    module passes them; per-head sinks the eager code reads from its module.
+    """
+    mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, torch.finfo(q.dtype).min)
+    extra = {}
+    if bias is not None:
+        extra["position_bias"] = bias.flatten(-4, -3).to(q.dtype)  # [G, Hq, n, L], HF's values in the dtype
+    if sinks is not None and sinks.dim() > 1:  # one per query (per-head ones, [Hq], are the module's)
+        extra["sinks"] = sinks.transpose(1, 2)[..., None]  # [G, Hq, n, 1]
+    out, _ = terms.half_eager(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scaling=terms.scaling, dropout=0.0, **extra
+    )
+    return out  # [G, n, Hq, Dv]
 
 
 def _alibi_distance(
@@ -273,8 +304,9 @@ def _half_scores(qk, scaling, softcap, bias, half_scores: HalfScores | None, dty
         if bias is not None:
             scores = scores + bias
         return scores if softcap is None else torch.tanh(scores / softcap) * softcap
-    if half_scores is HalfScores.BIAS_THEN_ROUND:  # Bloom: one baddbmm of its rounded bias and the scaled q.k
-        return (bias.to(dtype).float() + qk * scaling).to(dtype).float()
+    if half_scores is HalfScores.BIAS_THEN_ROUND:  # one baddbmm of any rounded bias and the scaled q.k
+        scores = qk * scaling if bias is None else bias.to(dtype).float() + qk * scaling
+        return scores.to(dtype).float()
     scores = qk.to(dtype) * scaling  # HF eager: matmul, scaling and softcap each in the dtype
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap

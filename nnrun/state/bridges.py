@@ -9,8 +9,8 @@ the argument their forward names. A few keep their state elsewhere, and get it t
 - xLSTM's blocks take their layer's `(C, n, m)` and return the new one (`XlstmState`).
 
 Each bridge puts the rows' states (from the `RowsCache`; None for a fresh prefill, where HF's
-code starts from its own initial state) where HF's code reads them, calls HF's forward, and
-leaves the new states in the `RowsCache` for the pool.
+code starts from its own initial state, xLSTM's from its cache's) where HF's code reads them,
+calls HF's forward, and leaves the new states in the `RowsCache` for the pool.
 """
 
 from __future__ import annotations
@@ -89,17 +89,31 @@ class RwkvColumns:
 
 @dataclass(frozen=True)
 class XlstmState:
-    """xLSTM: the block takes its layer's `(C, n, m)` (None: from zeros) and returns the new one after its output."""
+    """xLSTM: the block takes its layer's `(C, n, m)` and returns the new one after its output.
+
+    A fresh prefill starts from zeros in the model's dtype, as HF's model forward with its cache (`xLSTMCache`,
+    which `generate` uses) hands them: with no state the block would start from float32 zeros, which HF's own
+    chunkwise kernel cannot mix with half-precision keys.
+    """
 
     argument: str = "state"
     num_states: int = 3
 
     def call(self, module, hf_forward: HFForwardFn, layer_idx: int, hidden, cache: RowsCache, kwargs: dict) -> Any:
         states = [cache.read_state("recurrent", layer_idx, i) for i in range(self.num_states)]
-        output = hf_forward(module, hidden, state=None if states[0] is None else tuple(states), **kwargs)
+        if states[0] is None:
+            states = _xlstm_zero_states(module.config, hidden.shape[0], hidden.dtype, hidden.device)
+        output = hf_forward(module, hidden, state=tuple(states), **kwargs)
         for i, value in enumerate(output[1]):
             cache.keep_state("recurrent", layer_idx, value, i)
         return output
+
+
+def _xlstm_zero_states(config, num_rows: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """A layer's `(C, n, m)` as HF's `xLSTMCache` starts them: zeros `[B, nh, dqk, dv]`, `[B, nh, dqk]`, `[B, nh, 1]`"""
+    heads, dqk = config.num_heads, config.qk_head_dim
+    shapes = ((num_rows, heads, dqk, config.v_head_dim), (num_rows, heads, dqk), (num_rows, heads, 1))
+    return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
 
 
 Bridge = HFCache | ModuleAttributes | RwkvColumns | XlstmState

@@ -100,7 +100,7 @@ class StateStep:
                 continue
             pieces[segment.start] = self._run_alone(layer_idx, num_states, hidden_states, kwargs, call, segment)
         in_order = [pieces[start] for start in sorted(pieces)]
-        return tuple(torch.cat(parts)[None] for parts in zip(*in_order))  # each [1, N, ...]
+        return tuple(_joined(parts)[None] for parts in zip(*in_order))  # each [1, N, ...]
 
     def _run_decodes(self, layer_idx, num_states, hidden_states, kwargs, call) -> tuple[torch.Tensor, ...]:
         starts, rows = self.decode_starts, self.decode_rows
@@ -125,7 +125,7 @@ class StateStep:
             span_outputs = call(hidden_states[:, start : start + length], cache, span_kwargs)
             outputs.append(tuple(output[0] for output in span_outputs))  # each [T, ...]
         self._hold(layer_idx, rows, written_states(layer_idx, cache, layer))
-        return outputs[0] if len(outputs) == 1 else tuple(torch.cat(parts) for parts in zip(*outputs))
+        return outputs[0] if len(outputs) == 1 else tuple(_joined(parts) for parts in zip(*outputs))
 
     def _hold(self, layer_idx: int, rows: torch.Tensor, states: list[tuple[StateKey, torch.Tensor]]) -> None:
         self.pending.extend((key, rows, values) for key, values in states)
@@ -142,6 +142,21 @@ class StateStep:
                 self.pool.num_tokens[segment.row] = segment.prefix + segment.num_new
             else:
                 self.pool.invalidate(segment.row)
+
+
+def _joined(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Outputs `[T_i, ...]` joined on tokens, `[N, ...]`, in the first one's memory layout (HF's).
+
+    HF's short convolutions (Inkling 2's) return a transposed view, `[T, C]` with C strided: a reduction over
+    C that follows (a norm) sums in another order than over a contiguous copy, and in half precision that
+    moves a rounding. Joined in HF's layout, the step's outputs reduce as HF's do.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    first = parts[0]
+    order = sorted(range(first.dim()), key=lambda dim: first.stride(dim), reverse=True)  # outermost first (stable)
+    joined = torch.cat([part.permute(order) for part in parts], dim=order.index(0))
+    return joined.permute([order.index(dim) for dim in range(first.dim())])
 
 
 def _token_span(value: Any, num_tokens: int, start: int, length: int) -> Any:

@@ -165,11 +165,11 @@ def _log_probs(output, prompt: list[int], vocab: int) -> torch.Tensor:
 def _hf_oracle(model: torch.nn.Module, sequences: list[list[int]]):
     """HF alone per sequence (`[L - 1, V]` log-probs, expert routes), HF's padded-vs-alone spread, its largest logit.
 
-    As HF generates without a cache: the prompt's forward, then one forward of the sequence so far per
-    decode step, its last position (a model that is not causal sees only the tokens so far, as on nnrun).
+    As HF generates without a cache (`_from_scratch`): the prompt's forward, then one forward of the sequence
+    so far per decode step, its last position (a model that is not causal sees only the tokens so far, as on nnrun).
     """
     takes = set(inspect.signature(model.forward).parameters)
-    no_cache = {"use_cache": False} if "use_cache" in takes else {}
+    no_cache = _from_scratch(model, takes, sequences[0][: len(sequences[0]) - NUM_DECODE_STEPS])
     routes = ExpertRoutes(model)
     alone, alone_routes, max_logit = [], [], 0.0
     for sequence in sequences:
@@ -192,6 +192,21 @@ def _hf_oracle(model: torch.nn.Module, sequences: list[list[int]]):
     prompts = [s[: len(s) - NUM_DECODE_STEPS] for s in sequences]
     spread = max(_padded_spread(model, prompts, alone, takes), _cached_spread(model, sequences, alone))
     return alone, alone_routes, spread, max_logit
+
+
+def _from_scratch(model: torch.nn.Module, takes: set, prompt: list[int]) -> dict:
+    """The keywords of HF's forward of a whole sequence from no state: no cache, or a fresh cache of its own.
+
+    The second where HF's forward fails without one: xLSTM in half precision, whose chunkwise kernel cannot
+    mix its float32 start state with half-precision keys, runs only from its cache's states, in the model's dtype.
+    """
+    if "use_cache" not in takes:
+        return {}
+    try:
+        model(input_ids=torch.tensor([prompt]), use_cache=False)
+    except RuntimeError:
+        return {"use_cache": True}
+    return {"use_cache": False}
 
 
 def _padded_spread(model: torch.nn.Module, prompts: list[list[int]], alone: list[torch.Tensor], takes: set) -> float:

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from nnrun.attention.classic.core import attend_packed, in_engine_step
+from nnrun.attention.score_terms import HalfScores
 
 _FAMILY = "_nnrun_attn_method_family"
 
@@ -29,6 +30,7 @@ class AttnMethodFamily:
     sliding_window: Callable[[torch.nn.Module], int | None] = lambda module: None
     layer_index_attribute: str | None = "layer_idx"  # where HF keeps the layer's index (None: the registry numbers it)
     is_openai_gpt: bool = False  # keys come transposed, and the result is a list
+    half_scores: HalfScores | None = None  # how `_attn` rounds its scores in half precision (None: as sdpa)
 
 
 def install(family: AttnMethodFamily) -> Callable[[torch.nn.Module], None]:
@@ -50,7 +52,13 @@ def _attn(self: torch.nn.Module, query, key, value, attention_mask=None, *args, 
     if family.is_openai_gpt:
         key = key.transpose(-1, -2)  # [1, H, N, D] from HF's [1, H, D, N]
     out, probs = attend_packed(
-        self, query, key, value, family.scaling(self), sliding_window=family.sliding_window(self)
+        self,
+        query,
+        key,
+        value,
+        family.scaling(self),
+        sliding_window=family.sliding_window(self),
+        half_scores=family.half_scores,
     )  # [1, N, H, Dv]
     out = out.transpose(1, 2)  # [1, H, N, Dv], as HF's matmul of weights and values
     if family.is_openai_gpt:
@@ -69,7 +77,10 @@ CODEGEN = AttnMethodFamily(scaling=lambda module: 1.0 / float(module.scale_attn)
 GPT_NEO = AttnMethodFamily(  # GPT-Neo does not scale its scores
     scaling=lambda module: 1.0, sliding_window=_gpt_neo_window, layer_index_attribute="layer_id"
 )
-GPT_NEOX_JAPANESE = AttnMethodFamily(scaling=lambda module: 1.0 / module.norm_factor)
+# One baddbmm scales q.k in the model's dtype, and the softmax's probabilities stay in it
+GPT_NEOX_JAPANESE = AttnMethodFamily(
+    scaling=lambda module: 1.0 / module.norm_factor, half_scores=HalfScores.BIAS_THEN_ROUND
+)
 OPENAI_GPT = AttnMethodFamily(
     scaling=lambda module: (module.split_size // module.n_head) ** -0.5 if module.scale else 1.0,
     layer_index_attribute=None,

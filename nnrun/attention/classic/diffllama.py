@@ -4,7 +4,8 @@ HF calls attention twice, with one query and key and two values built from the h
 heads (`value1`, `value2`, each repeated back to every KV head), then concatenates the two outputs on
 the last dim. The paged pool keeps one K/V per layer, which the second call would overwrite with its
 own values. Since both calls share their softmax, one call over the values joined on the last dim
-(`[value1 | value2]`, Dv = 2 * head_dim) gives each head that concatenation exactly, column by column:
+(`[value1 | value2]`, Dv = 2 * head_dim) gives each head that concatenation exactly, column by column
+(in half precision the backend's kernel attends each half alone, as HF's two calls round):
 inside a step the adapted forward makes that one call, and the rest is HF's code (rotary before,
 the lambda combination and group norm after). Outside a step it is HF's own forward.
 """
@@ -33,7 +34,8 @@ def _forward(self, hidden_states, position_embeddings, attention_mask=None, past
     cos, sin = position_embeddings
     query, key = hf_file(self).apply_rotary_pos_emb(query, key, cos, sin)
     value1, value2 = (half.repeat(1, 2, 1, 1) for half in torch.chunk(value, 2, dim=1))  # HF's, [1, Hkv, N, D] each
-    out, probs = attend_packed(self, query, key, torch.cat([value1, value2], dim=-1), self.scaling)  # [1, N, Hq, 2D]
+    joined = torch.cat([value1, value2], dim=-1)  # [1, Hkv, N, 2D]; two parts, as HF's two calls round
+    out, probs = attend_packed(self, query, key, joined, self.scaling, num_value_parts=2)  # [1, N, Hq, 2D]
     # From here HF's code, on what its two calls' outputs concatenated would be.
     attn_output1, attn_output2 = torch.chunk(out, 2, dim=2)
     lambda_1 = torch.exp(torch.sum(self.lambda_q1 * self.lambda_k1, dim=-1, dtype=torch.float32)).to(query.dtype)
