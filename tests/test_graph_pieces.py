@@ -242,8 +242,9 @@ def test_a_source_read_every_step_runs_the_step_eagerly_with_hfs_values(models):
     torch.testing.assert_close(scenario(ours), scenario(oracle), atol=1e-5, rtol=1e-5)
 
 
-def test_a_cache_of_one_layer_keeps_that_layer_eager(models):
-    """`tracer.cache` observes layer 1 through the generation: layer 1 runs eagerly, the rest replay."""
+def test_a_cache_of_one_layer_replays_it_inside_its_handoffs(models):
+    """`tracer.cache` observes layer 1 through the generation: it sees only layer 1's boundary, so every layer
+    replays, layer 1 inside its handoffs, and the cache holds nnsight on HF's values."""
     oracle, _, ours, replayed, _, _ = models
 
     def scenario(model):
