@@ -289,7 +289,8 @@ class ModelRunner(KVPoolSetup):
     def packed_step(self, forward_batch: ForwardBatch, path: PackedPath | None = None) -> LogitsProcessorOutput:
         """A packed step on `path` (the load-time probe's candidates; default the runner's own), whatever a
         subclass does around a step."""
-        return self.process_logits((self.path if path is None else path).run(self, forward_batch), forward_batch)
+        logits = self.run_model(forward_batch) if path is None else path.run(self, forward_batch)
+        return self.process_logits(logits, forward_batch)
 
     def keeps_all_logits(self, req: Request) -> bool:
         """Whether `req` keeps every new token's logits this step (a seam: the nnsight runner's traces do)."""

@@ -150,7 +150,8 @@ class RankGroup:
             try:
                 for conn in self.conns:
                     conn.send_bytes(message)
-            except OSError as error:
+            # TypeError and ValueError too: a hung rank failed the group, which closed the pipe under this send
+            except (OSError, TypeError, ValueError) as error:
                 failure.append(error)
 
         if memoryview(message).nbytes <= INLINE_SEND_BYTES:
