@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from threading import get_ident
 from typing import Any
 
 
@@ -47,8 +48,10 @@ class RunningBlocks:
 
     def enter(self, mediator: Any) -> None:
         with self._lock:
-            self._stack.append(mediator)
-            self._thread_id = threading.get_ident()
+            stack = self._stack
+            if not stack:  # an outermost block: the thread that runs it (nested ones run on the same)
+                self._thread_id = get_ident()
+            stack.append(mediator)
 
     def leave(self, mediator: Any) -> None:
         """The block parked, finished or raised: no interrupt may land after this (safe to call twice)."""
