@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from interleaver.jobs import TraceJob
 
 
-
 class Counted(weakref.ref):
     """A weak reference to a counted tensor, carrying where and how much it is counted.
 

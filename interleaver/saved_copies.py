@@ -146,13 +146,19 @@ class _Copies:
         if known is not None and known[0] is items and len(known[1]) <= len(items) and all(map(is_, items, known[1])):
             start = len(known[1])  # (`map` stops at the shorter: the known items are compared)
         owned = True  # whether items[:index] are all plain tensors that own their memory
+        memo = self.memo
         for index in range(start, len(items)):
             item = items[index]
-            if type(item) is torch.Tensor and item._base is None:
-                continue
-            unpinned = self.unpin(item)
+            if type(item) is torch.Tensor:  # the common case, without `unpin`'s dispatch
+                if item._base is None:
+                    continue
+                unpinned = memo.get(id(item))
+                if unpinned is None:  # (a copy is a plain tensor that owns its memory)
+                    unpinned = memo[id(item)] = self._copy(item)
+            else:
+                unpinned = self.unpin(item)
+                if owned and not (type(unpinned) is torch.Tensor and unpinned._base is None):
+                    owned, end = False, index  # (a container is walked again every pass: it may change)
             if unpinned is not item:
                 items[index] = unpinned
-            if owned and not (type(unpinned) is torch.Tensor and unpinned._base is None):
-                owned, end = False, index
         self.lists[id(items)] = (items, items[: len(items) if owned else end])
