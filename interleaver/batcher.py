@@ -167,6 +167,16 @@ class PackedBatcher(SkipSplicing, Batcher):
     def narrow(self, value: Any, group: Any) -> Any:
         if group is None:
             return value
+        views = self._views
+        if (
+            views is not None
+            and views[0] is value
+            and len(group.rows) == 1
+            and self.called_by is None
+            and not torch.is_grad_enabled()
+        ):
+            # Another one-request read of the value this visit split already (`_request_views`): its view by row.
+            return views[1][group.rows[0]]
         if self.called_by is not None:
             return self._narrow_called(value, group, self.called_by)
         layout = self.layout_of(self.location)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from threading import get_ident
 from typing import Any
 
 
@@ -47,19 +48,24 @@ class RunningBlocks:
 
     def enter(self, mediator: Any) -> None:
         with self._lock:
-            self._stack.append(mediator)
-            self._thread_id = threading.get_ident()
+            stack = self._stack
+            if not stack:  # an outermost block: the thread that runs it (nested ones run on the same)
+                self._thread_id = get_ident()
+            stack.append(mediator)
 
     def leave(self, mediator: Any) -> None:
         """The block parked, finished or raised: no interrupt may land after this (safe to call twice)."""
         with self._lock:
-            if not self._stack or self._stack[-1] is not mediator:
+            stack = self._stack
+            if not stack or stack[-1] is not mediator:
                 return
             # Bookkeeping first, popping last: if the exception lands at one of these calls, the
             # caller's handler calls leave() again, which finds the block still there, or gone.
-            sent = id(mediator) in self._interrupted
-            self._interrupted.discard(id(mediator))
-            self._stack.pop()
+            interrupted = self._interrupted
+            sent = bool(interrupted) and id(mediator) in interrupted  # (none sent: the common case)
+            if sent:
+                interrupted.discard(id(mediator))
+            stack.pop()
         if sent:
             try:
                 _check_pending()  # one sent but not yet landed (the block parked first) lands here

@@ -84,16 +84,17 @@ class PackedMediator(Mediator):
 
     def handle(self, provider: str, value: Any) -> Any:
         """Serve this worker's events parked on this visit (the protocol of `Mediator.handle`)."""
-        if not self.is_waiting_for(provider):
-            return value
         pending = self.pending
+        if pending is None or pending.provider != provider:  # (`is_waiting_for`, inlined: once per read)
+            return value
         occurrence = self.occurrence(provider)
         batcher: PackedBatcher = self.interleaver.batcher
         group = self.batch_group
         while pending is not None and pending.provider == provider and pending.iteration == occurrence:
             if self.iteration:  # the first hit of a pinned step relaxes the pin, as in nnsight
                 self.iteration = None
-            if pending.event is Event.VALUE:
+            event = pending.event
+            if event is Event.VALUE:
                 try:
                     served = batcher.narrow(value, group)
                 except InvalidWriteError as error:  # a read the step cannot serve this request alone
@@ -102,15 +103,16 @@ class PackedMediator(Mediator):
                     continue
                 if torch.is_grad_enabled():  # a step that runs with autograd: `.retain_grad()` must work
                     sink_grads(value, served)
-                versions = _versions(served)
+                versions = served._version if type(served) is torch.Tensor else _versions(served)
                 try:
                     self.pending = self.switch(served)
                 finally:
-                    if _versions(served) != versions:  # an in-place edit bumps the version counter
+                    # an in-place edit bumps the version counter
+                    if (served._version if type(served) is torch.Tensor else _versions(served)) != versions:
                         self.edited_at = provider
                 if served is not value and not group.is_single:
                     batcher.scatter_back(value, group, served)
-            elif pending.event is Event.SWAP:
+            elif event is Event.SWAP:
                 try:
                     value = batcher.widen(value, group, pending.value)
                 except InvalidWriteError as error:
@@ -118,7 +120,7 @@ class PackedMediator(Mediator):
                 else:
                     self.edited_at = provider
                     self.pending = self.switch()
-            elif pending.event is Event.SKIP:
+            elif event is Event.SKIP:
                 try:
                     value = batcher.gather_skip(value, group, pending.value)
                 except InvalidWriteError as error:
@@ -133,7 +135,7 @@ class PackedMediator(Mediator):
 
     def switch(self, *args: Any) -> Any:
         """Resume the worker; whatever it raises reaches the engine as an `Exception`."""
-        return self._run_block(super().switch, *args)
+        return self._run_block(_resume, self, *args)
 
     def _run_block(self, resume: Any, *args: Any) -> Any:
         """Run the block until it parks, as the engine thread's interruptible running block."""
@@ -162,6 +164,9 @@ class PackedMediator(Mediator):
             if not hasattr(raised, "__intervention_tb__"):
                 raised.__intervention_tb__ = raised.__traceback__
             raise
+
+
+_resume = Mediator.switch  # nnsight's resume of a worker (`PackedMediator.switch` runs it as a block)
 
 
 def _versions(value: Any) -> int | list[int]:

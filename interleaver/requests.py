@@ -34,7 +34,7 @@ from interleaver.jobs import Invocation, TraceJob, pad_sequences
 from interleaver.mediator import PackedInterleaver, PackedMediator, as_block_error
 from interleaver.nnsight_private import saved_value_ids, tracing_thread_state
 from interleaver.save_spill import SavedValueLedger
-from interleaver.saved_copies import unpin_block_saves, unpin_client_saves, unpin_saves
+from interleaver.saved_copies import Walked, unpin_block_saves, unpin_client_saves, unpin_saves
 from nnrun.forward_batch import ForwardBatch
 from nnrun.request import Request
 from nnrun.save_budget import SaveBudget
@@ -58,6 +58,7 @@ class NNsightRequestHelper:
         # none does, the step runs as an untraced one (graph replay included), with no handoff at all.
         self.is_watched = False
         self._grad_of_batch: tuple[ForwardBatch, bool] | None = None  # the last step's `needs_grad`
+        self.walked_lists: dict[int, Walked] = {}  # id(job) -> how far its saved lists hold copies (saved_copies)
 
     @property
     def has_requests(self) -> bool:
@@ -177,7 +178,7 @@ class NNsightRequestHelper:
     def end_step(self, forward_batch: ForwardBatch) -> None:
         """Copy saved values out of the step's tensors, fail requests whose block raised or stopped."""
         if self.is_watched:  # (no block read anything of an unwatched step)
-            unpin_saves(self.step_invocations)
+            unpin_saves(self.step_invocations, self.walked_lists)
         if self.is_watched:
             self._account_saves()
         in_step: dict[str, Request] | None = None
@@ -236,7 +237,7 @@ class NNsightRequestHelper:
             del self.live[invocation]
         jobs = list({id(inv.job): inv.job for inv in invocations}.values())
         # Once per job, after every block of it had its last word (`tracer.result`, an unwind).
-        unpin_client_saves(jobs, memo)
+        unpin_client_saves(jobs, memo, self.walked_lists)
         if invocations:  # a step that failed before sampling leaves its workers here
             self.step_invocations = [inv for inv in self.step_invocations if not inv.is_finished]
             self.interleaver.mediators = [inv.mediator for inv in self.step_invocations]
@@ -244,9 +245,11 @@ class NNsightRequestHelper:
             if all(inv.is_finished for inv in job.invocations):
                 job.results.clear()  # the step's logits, kept only to serve `tracer.result`
                 self.saved_values.release(job)
+                self.walked_lists.pop(id(job), None)
                 job.done.set()
         if not self.request_to_invocations and not self.live:
             saved_value_ids().clear()  # nothing in flight: no saved id can still matter
+            self.walked_lists.clear()
             self.interleaver.sourced.clear()  # nor a callable some block drilled into (`op.source`)
 
     def _finish_one(self, invocation: Invocation, memo: dict[int, Any], padded_ids: dict[int, torch.Tensor]) -> None:
@@ -268,7 +271,7 @@ class NNsightRequestHelper:
             self._unwind(invocation)
         # An edit's names are never pushed, so it unpins and claims no save: a value it bound may be an invoke's.
         if not invocation.is_edit:
-            unpin_block_saves([invocation], memo)
+            unpin_block_saves([invocation], memo, self.walked_lists)
         error = mediator.exception
         if error is not None and not isinstance(error, EarlyStopException) and invocation.error is None:
             invocation.error = error

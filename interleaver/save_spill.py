@@ -34,8 +34,19 @@ from nnrun.save_budget import SaveBudget, SaveBudgetError, saved_values_device_b
 if TYPE_CHECKING:
     from interleaver.jobs import TraceJob
 
-# id(tensor) -> (a weak reference to it, whether it is counted on the host, its bytes)
-Placed = dict[int, tuple[weakref.ref, bool, int]]
+
+class Counted(weakref.ref):
+    """A weak reference to a counted tensor, carrying where and how much it is counted.
+
+    One object per saved tensor (the ledger's whole record of it): when the tensor dies, the ref itself
+    is queued for `_uncount_dropped`.
+    """
+
+    __slots__ = ("key", "tensor_id", "on_host", "num_bytes")  # id(job), id(tensor), counted on the host, bytes
+
+
+# id(tensor) -> its record
+Placed = dict[int, Counted]
 # id(list) -> (the list, how many of its items were walked)
 Scanned = dict[int, tuple[list, int]]
 
@@ -49,7 +60,7 @@ class SavedValueLedger:
         self.is_cuda = self.device.type == "cuda"  # host copies are pinned and asynchronous
         self._placed: dict[int, Placed] = {}  # id(job) -> its counted tensors
         self._scanned: dict[int, Scanned] = {}  # id(job) -> its saved lists
-        self._dropped: deque[tuple[int, int, weakref.ref]] = deque()  # (id(job), id(tensor), its ref): died
+        self._dropped: deque[Counted] = deque()  # the records of counted tensors that died
         self._copies_done: Any = None  # a CUDA event recorded after a step's host copies
 
     @classmethod
@@ -97,35 +108,30 @@ class SavedValueLedger:
         """Uncount the tensors that died since the last pass (their weak references queued them, on any thread)."""
         dropped = self._dropped
         while dropped:
-            key, tensor_id, ref = dropped.popleft()
-            placed = self._placed.get(key)
-            entry = placed.get(tensor_id) if placed is not None else None
-            if entry is not None and entry[0] is ref:
-                del placed[tensor_id]
-                self.budget.hold(key, -entry[2], entry[1])
+            ref = dropped.popleft()
+            placed = self._placed.get(ref.key)
+            if placed is not None and placed.get(ref.tensor_id) is ref:
+                del placed[ref.tensor_id]
+                self.budget.hold(ref.key, -ref.num_bytes, ref.on_host)
 
     def _account_job(self, job: TraceJob) -> bool:
         """Count one job's new saved tensors; True if some went to the host."""
         key = id(job)
         placed = self._placed.setdefault(key, {})
-        dropped = self._dropped
+        died = self._dropped.append
         moved = [False]
 
         def count(tensor: torch.Tensor) -> torch.Tensor:
             entry = placed.get(id(tensor))
-            if entry is not None and entry[0]() is tensor:
+            if entry is not None and entry() is tensor:
                 return tensor
             num_bytes = tensor.nbytes
             on_host = self._place(key, tensor, num_bytes)
             if on_host and (not tensor.is_cpu or not self.is_cuda):  # on CPU every value is the device's
                 tensor = _to_host(tensor, self.is_cuda)
                 moved[0] = True
-            tensor_id = id(tensor)
-            placed[tensor_id] = (
-                weakref.ref(tensor, lambda ref: dropped.append((key, tensor_id, ref))),
-                on_host,
-                num_bytes,
-            )
+            record = placed[id(tensor)] = Counted(tensor, died)
+            record.key, record.tensor_id, record.on_host, record.num_bytes = key, id(tensor), on_host, num_bytes
             return tensor
 
         # (a `SaveBudgetError` leaves the failing trace counted until `release`)

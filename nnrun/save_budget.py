@@ -61,7 +61,9 @@ class SaveBudget:
 
     def hold(self, key: int, num_bytes: int, on_host: bool) -> None:
         """Count bytes a trace already holds where they are, whatever the limits."""
-        held = self._held.setdefault(key, [0, 0])
+        held = self._held.get(key)
+        if held is None:
+            held = self._held[key] = [0, 0]
         held[on_host] += num_bytes
         if on_host:
             self.host_bytes += num_bytes
