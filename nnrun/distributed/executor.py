@@ -17,6 +17,7 @@ running is sent again (`max_task_retries`). An engine of N tensor-parallel ranks
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -106,10 +107,28 @@ def extract_on_ray(request: ExtractionRequest, executor: RayExecutor) -> Extract
             out_dir, description.settings, description.model_info, source, options, driver.extract_rest, make_progress
         )
     finally:
-        for engine in engines:
-            ray.kill(engine)  # also ends ranges still running after a failure
+        _kill_engines(engines)
         if has_connected:
             ray.shutdown()
+
+
+def _kill_engines(engines: list[Any], timeout_s: float = 30.0) -> None:
+    """Kill the engine actors (also ending ranges still running after a failure) and wait until each is gone:
+    `ray.kill` only asks, and a call that reaches an engine before the kill does is still served."""
+    import ray
+
+    for engine in engines:
+        ray.kill(engine)
+    deadline = time.monotonic() + timeout_s
+    for engine in engines:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(engine.rank_pids.options(concurrency_group="control").remote(), timeout=1.0)
+            except ray.exceptions.RayActorError:
+                break  # gone
+            except ray.exceptions.GetTimeoutError:
+                continue
+            time.sleep(0.05)
 
 
 def _describe(engines: list[Any]) -> JobDescription:
