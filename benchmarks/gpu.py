@@ -267,8 +267,8 @@ def run_profile(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, fl
 
         generate(2)()  # warm-up
         one, many = profile_generate(generate(1), args.device), profile_generate(generate(n), args.device)
-        per_step = {key: (many[key] - one[key]) / (n - 1) for key in ("wall_us", "busy_us", "kernels")}
-        per_step.update({key: (many[key] - one[key]) / (n - 1) for key in ("kernel_launches", "graph_launches")})
+        counted = ("wall_us", "busy_us", "kernels", "kernel_launches", "graph_launches")
+        per_step = {key: (many[key] - one[key]) / (n - 1) for key in counted}
         kernels = {
             name: (us - one["per_kernel_us"].get(name, 0.0)) / (n - 1) for name, us in many["per_kernel_us"].items()
         }
