@@ -114,19 +114,9 @@ def test_one_compilation_serves_every_layer(counting):
 
 
 def test_a_forward_hook_fires_in_the_eager_steps_after_capture(counting):
-    model = make_sharp_model("llama")
-    with nnrun.LLM(model, page_size=4, compile_decoder_layers=True) as llm:
-        capture_graphs(llm)
-        counts = count_decode_steps(llm)
-        seen = []
-        handle = llm.model.model.layers[0].register_forward_hook(lambda m, i, o: seen.append(o.shape[1]))
-        try:
-            llm.generate(random_prompts([5, 8]), greedy_params(4))
-        finally:
-            handle.remove()
-        assert seen == [13, 2, 2, 2] and counts == {"replayed": 0, "eager": 3}
-        llm.generate(random_prompts([5, 8]), greedy_params(4))
-        assert counts == {"replayed": 3, "eager": 3}
+    from test_cuda_graphs import check_hooked_steps_run_eagerly_and_replay_after
+
+    check_hooked_steps_run_eagerly_and_replay_after(compile_decoder_layers=True)
 
 
 @pytest.mark.slow  # compiles whole-step graphs and pieces

@@ -182,8 +182,13 @@ def test_batches_larger_than_every_graph_run_eagerly(fake):
 
 
 def test_steps_with_module_hooks_run_eagerly_so_the_hooks_fire(fake):
+    check_hooked_steps_run_eagerly_and_replay_after()
+
+
+def check_hooked_steps_run_eagerly_and_replay_after(**engine_kwargs) -> None:
+    """A forward hook on a layer fires in every step of a generation (its decode steps eager); without it, they replay."""
     model = make_sharp_model("llama")
-    with nnrun.LLM(model, page_size=4) as llm:
+    with nnrun.LLM(model, page_size=4, **engine_kwargs) as llm:
         capture_graphs(llm)
         counts = count_decode_steps(llm)
         seen = []
