@@ -227,6 +227,11 @@ def _busy_us(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
+# CUDA runtime calls that block the host until the GPU has caught up: a step that makes one leaves the GPU
+# idle while the host then prepares the next.
+HOST_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
+
+
 def profile_generate(run: Callable[[], object], device: torch.device) -> dict:
     """One profiled call of `run`: wall µs, GPU busy µs, kernel and graph launches, µs per kernel name."""
     from torch.autograd import DeviceType
@@ -251,6 +256,7 @@ def profile_generate(run: Callable[[], object], device: torch.device) -> dict:
         "kernels": len(on_device),
         "kernel_launches": sum(name in ("cudaLaunchKernel", "cudaLaunchKernelExC") for name in host_names),
         "graph_launches": sum(name == "cudaGraphLaunch" for name in host_names),
+        "host_waits": sum(name in HOST_WAITS for name in host_names),
         "per_kernel_us": per_kernel,
     }
 
@@ -267,7 +273,7 @@ def run_profile(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, fl
 
         generate(2)()  # warm-up
         one, many = profile_generate(generate(1), args.device), profile_generate(generate(n), args.device)
-        counted = ("wall_us", "busy_us", "kernels", "kernel_launches", "graph_launches")
+        counted = ("wall_us", "busy_us", "kernels", "kernel_launches", "graph_launches", "host_waits")
         per_step = {key: (many[key] - one[key]) / (n - 1) for key in counted}
         kernels = {
             name: (us - one["per_kernel_us"].get(name, 0.0)) / (n - 1) for name, us in many["per_kernel_us"].items()
@@ -287,13 +293,13 @@ def run_profile(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, fl
 def print_profile(rows: list[dict]) -> None:
     print(
         "\n## profile (per decode step; per prefill call)\n\n| step | batch | wall ms (profiled) | GPU busy ms | "
-        "GPU idle | kernels | kernel launches | graph launches |\n|---|---|---|---|---|---|---|---|"
+        "GPU idle | kernels | kernel launches | graph launches | host waits |\n|---|---|---|---|---|---|---|---|---|"
     )
     for row in rows:
         idle = 1 - row["busy_us"] / row["wall_us"] if row["wall_us"] > 0 else float("nan")
         print(
             f"| {row['kind']} | {row['size']} | {row['wall_us'] / 1e3:.2f} | {row['busy_us'] / 1e3:.2f} | {idle:.0%} | "
-            f"{row['kernels']:.0f} | {row['kernel_launches']:.0f} | {row['graph_launches']:.1f} |"
+            f"{row['kernels']:.0f} | {row['kernel_launches']:.0f} | {row['graph_launches']:.1f} | {row['host_waits']:.2f} |"
         )
     for row in rows:
         top = "; ".join(f"{name[:60]} {us:.0f} us" for name, us in row["top_kernels_us"])

@@ -235,6 +235,11 @@ def _attend(
     return out, lse
 
 
+def _host_plan_buffer() -> torch.Tensor:
+    """The real wrappers' host buffer for their plans (8 MiB, pinned there; nnrun swaps it for pageable memory)."""
+    return torch.empty(64, dtype=torch.uint8)
+
+
 class BatchPrefillWithPagedKVCacheWrapper:
     """Emulates flashinfer.BatchPrefillWithPagedKVCacheWrapper (prefill, append and mixed batches)."""
 
@@ -261,6 +266,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
             raise ValueError(f"kv_layout must be NHD or HND, got {kv_layout!r}")
         if use_cuda_graph or custom_mask_buf is not None:
             raise NotImplementedError("the emulator has no CUDA-graph or custom-mask mode")
+        self._pin_memory_int_workspace_buffer = _host_plan_buffer()
         self.float_workspace_buffer = float_workspace_buffer
         self.kv_layout = kv_layout
         self._plan: Optional[_Plan] = None
@@ -391,6 +397,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
                 raise ValueError("The size of paged_kv_indptr_buffer should be batch_size + 1")
         self.use_cuda_graph = use_cuda_graph
         self._buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        self._pin_memory_int_workspace_buffer = _host_plan_buffer()
         self.float_workspace_buffer = float_workspace_buffer
         self.kv_layout = kv_layout
         self.use_tensor_cores = use_tensor_cores

@@ -428,3 +428,37 @@ def test_cuda_windows_give_the_one_step_tokens_on_flashinfer_graphs():
     (one_step, one_schedules), (windowed, schedules) = runs[1], runs[4]
     assert windowed == one_step
     assert schedules < one_schedules
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_windows_planned_ahead_of_a_lagging_gpu_give_the_one_step_tokens():
+    """A window plans step N+1 while the GPU may not yet have read step N's plan: here the GPU is held
+    behind the host at every step (a sleep kernel queued first), so each plan lands while the last one's
+    copy waits in the stream. No FlashInfer wrapper keeps a pinned host plan buffer (a queued copy from
+    one would read the next step's plan), and the tokens and logprobs are the one-step engine's."""
+    from model_zoo import random_prompts
+    from test_cuda_graphs import greedy_params
+    from test_gpu_flashinfer import gpu_model
+
+    model = gpu_model("llama_hd128", torch.bfloat16).to("cuda")
+    prompts = random_prompts([40, 3, 70, 17, 129, 33], seed=11)  # kv lengths crossing pages inside windows
+    params = [greedy_params(n) for n in [21, 9, 24, 13, 20, 17]]
+    runs = {}
+    for num_steps in (1, 4):
+        with nnrun.LLM(model, device="cuda", dtype=torch.bfloat16, num_scheduler_steps=num_steps) as llm:
+            backend = llm.runner.attn_backend
+            wrappers = [w for w in backend.prefill_wrappers + backend.decode_wrappers if w is not None]
+            wrappers += [w for group in backend.graph_decode_wrappers.values() for w in group]
+            assert wrappers and not any(w._pin_memory_int_workspace_buffer.is_pinned() for w in wrappers)
+            run_model = llm.runner.run_model
+
+            def lagging(forward_batch, run_model=run_model):
+                torch.cuda._sleep(5_000_000)  # a few ms of GPU time ahead of the step's copies and kernels
+                return run_model(forward_batch)
+
+            llm.runner.run_model = lagging
+            outputs = llm.generate(prompts, params)
+            llm.runner.allocator.check_no_leaks()
+            runs[num_steps] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+    assert runs[4] == runs[1]

@@ -80,13 +80,16 @@ class FlashInferAttnBackend(AttentionBackend):
         self.layer_to_group = layer_to_group_index(self.groups, len(layers))
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)  # [bytes]
         self.prefill_wrappers = [
-            flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD") for _ in self.groups
+            _plan_staged_on_return(flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD"))
+            for _ in self.groups
         ]
         self.decode_wrappers = [
-            flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace,
-                kv_layout="NHD",
-                use_tensor_cores=_decode_uses_tensor_cores(group),
+            _plan_staged_on_return(
+                flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    self.workspace,
+                    kv_layout="NHD",
+                    use_tensor_cores=_decode_uses_tensor_cores(group),
+                )
             )
             if group.has_decode_kernel
             else None
@@ -185,14 +188,16 @@ class FlashInferAttnBackend(AttentionBackend):
         self.graph_kv_last_page_len = torch.ones(max_batch_size, dtype=torch.int32, device=self.device)
         self.graph_decode_wrappers = {
             batch_size: [
-                flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    self.workspace,
-                    kv_layout="NHD",
-                    use_cuda_graph=True,
-                    use_tensor_cores=_decode_uses_tensor_cores(group),
-                    paged_kv_indptr_buffer=self.graph_kv_indptr[: batch_size + 1],
-                    paged_kv_indices_buffer=self.graph_kv_indices,
-                    paged_kv_last_page_len_buffer=self.graph_kv_last_page_len[:batch_size],
+                _plan_staged_on_return(
+                    flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                        self.workspace,
+                        kv_layout="NHD",
+                        use_cuda_graph=True,
+                        use_tensor_cores=_decode_uses_tensor_cores(group),
+                        paged_kv_indptr_buffer=self.graph_kv_indptr[: batch_size + 1],
+                        paged_kv_indices_buffer=self.graph_kv_indices,
+                        paged_kv_last_page_len_buffer=self.graph_kv_last_page_len[:batch_size],
+                    )
                 )
                 for group in self.groups
             ]
@@ -275,6 +280,25 @@ def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> to
     """
     scale = torch.sigmoid(lse * math.log(2) - sinks.float())  # [N, Hq]
     return out.float() * scale[:, :, None]
+
+
+def _plan_staged_on_return(wrapper):
+    """`wrapper`, its `plan()` safe to call again before the GPU has run the steps planned so far.
+
+    FlashInfer's `plan()` writes the kernel's schedule into a pinned host buffer of the wrapper's and
+    queues its copy to the device: a second `plan()` of the same wrapper before the GPU reached that
+    copy (the next step of a multi-step window, planned while the last one runs) would overwrite the
+    schedule the earlier step then reads. From pageable memory the copy is staged before `plan()`
+    returns, and the buffer is free again (vLLM and mini-sglang met the same race the same way).
+    """
+    pinned = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)
+    if not isinstance(pinned, torch.Tensor):
+        raise RuntimeError(
+            f"{type(wrapper).__name__} has no host plan buffer `_pin_memory_int_workspace_buffer`: this FlashInfer "
+            "version plans differently; check that planning ahead of the GPU cannot overwrite a queued plan"
+        )
+    wrapper._pin_memory_int_workspace_buffer = torch.empty(pinned.shape, dtype=pinned.dtype)  # pageable
+    return wrapper
 
 
 def _decode_uses_tensor_cores(group: PlanGroup) -> bool:
