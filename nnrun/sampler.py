@@ -27,7 +27,23 @@ class SamplerOutput:
     logprobs: torch.Tensor | None  # [R] float32; None when no row asked for logprobs
     top_logprob_ids: torch.Tensor | None  # [R, K] int64, K = max requested logprobs; None when K == 0
     top_logprobs: torch.Tensor | None  # [R, K] float32, sorted descending
-    row_errors: dict[int, str] = field(default_factory=dict)  # row -> why it could not be sampled (its request fails)
+    known_errors: dict[int, str] = field(default_factory=dict)  # row -> why it could not be sampled (its request fails)
+    # [R] bool on the device: rows not sampled, their tokens placeholders; read back (a sync) only when
+    # `row_errors` is asked, so a multi-step window's steps sample without waiting for the GPU
+    unsamplable: torch.Tensor | None = None
+
+    @property
+    def row_errors(self) -> dict[int, str]:
+        """Row -> why it could not be sampled: its request fails (read from the device the first time)."""
+        if self.unsamplable is not None:
+            rows = self.unsamplable.nonzero().flatten().tolist()
+            self.known_errors.update(dict.fromkeys(rows, UNSAMPLABLE_ROW))
+            self.unsamplable = None
+        return self.known_errors
+
+    @row_errors.setter
+    def row_errors(self, errors: dict[int, str]) -> None:
+        self.known_errors, self.unsamplable = errors, None
 
 
 UNSAMPLABLE_ROW = (
@@ -43,6 +59,7 @@ class RowSettings:
     temperature: torch.Tensor  # [S, 1] float32
     filtered: list[int] | None  # rows that ask for top-k or top-p; None: every row does
     top_k: torch.Tensor | None  # [F] int64 (the vocabulary size where a row has no top-k); None: no row filters
+    max_top_k: int  # the largest of top_k (read on the host: the partial sort's width)
     top_p: torch.Tensor | None  # [F, 1] float32; None when no filtered row asks for top-p
     min_p: torch.Tensor | None  # [S, 1] float32; None when no row asks for min-p
     generators: list[torch.Generator | None] | None  # per row; None when no row has its own
@@ -53,10 +70,9 @@ class RowSettings:
         filtered = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
         picked = [params[j] for j in filtered]
         top_k = top_p = None
+        top_ks = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in picked]
         if filtered:
-            top_k = torch.tensor(
-                [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in picked], device=device
-            )  # [F] int64
+            top_k = torch.tensor(top_ks, device=device)  # [F] int64
             top_p = _column([p.top_p for p in picked], device) if any(p.top_p < 1.0 for p in picked) else None
         min_p = [p.min_p for p in params]
         generators = [row.generator for row in rows]
@@ -64,6 +80,7 @@ class RowSettings:
             temperature=_column([p.temperature for p in params], device),
             filtered=None if len(filtered) == len(rows) else filtered,
             top_k=top_k,
+            max_top_k=max(top_ks, default=0),
             top_p=top_p,
             min_p=_column(min_p, device) if any(p > 0 for p in min_p) else None,
             generators=generators if any(g is not None for g in generators) else None,
@@ -78,6 +95,7 @@ class RowSettings:
             temperature=_full(num_rows, params.temperature, device),
             filtered=None if is_filtered else [],
             top_k=torch.full((num_rows,), top_k, dtype=torch.int64, device=device) if is_filtered else None,
+            max_top_k=top_k if is_filtered else 0,
             top_p=_full(num_rows, params.top_p, device) if is_filtered and params.top_p < 1.0 else None,
             min_p=_full(num_rows, params.min_p, device) if params.min_p > 0 else None,
             generators=None,
@@ -95,20 +113,17 @@ class Sampler:
         """
         assert logits.dim() == 2 and not params.has_penalties and params.seed is None
         raw = logits.float()  # [R, V]; aliases the caller's tensor when it is float32, so only out-of-place ops
-        row_errors: dict[int, str] = {}
+        unsamplable = None
         if params.is_greedy:
             token_ids = raw.argmax(dim=-1)  # [R] int64
         else:
             settings = RowSettings.shared(params, raw.shape[0], raw.shape[1], raw.device)
-            token_ids, is_unsamplable = _sample(raw, settings)  # [R] int64, [R] bool
-            if bool(is_unsamplable.any()):
-                bad_rows = is_unsamplable.nonzero().flatten().tolist()
-                token_ids[bad_rows] = 0  # placeholders: a failed request never appends its token
-                row_errors = dict.fromkeys(bad_rows, UNSAMPLABLE_ROW)
+            token_ids, unsamplable = _sample(raw, settings)  # [R] int64, [R] bool
+            token_ids.masked_fill_(unsamplable, 0)  # placeholders: a failed request never appends its token
         if params.logprobs is None:
-            return SamplerOutput(token_ids, None, None, None, row_errors)
+            return SamplerOutput(token_ids, None, None, None, unsamplable=unsamplable)
         logprobs, top_ids, top_logprobs = compute_logprobs(raw, token_ids, params.logprobs)
-        return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs, row_errors)
+        return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs, unsamplable=unsamplable)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one row of logits per SamplingRow"
@@ -132,7 +147,7 @@ class Sampler:
             token_ids[bad_rows] = 0  # placeholders: a failed request never appends its token
             row_errors = dict.fromkeys(bad_rows, UNSAMPLABLE_ROW)
         output = _with_logprobs(raw, token_ids, rows)
-        output.row_errors = row_errors
+        output.known_errors = row_errors
         return output
 
 
@@ -204,17 +219,17 @@ def _apply_top_k_top_p(logits: torch.Tensor, settings: RowSettings) -> torch.Ten
     if settings.top_k is None:
         return logits
     if settings.filtered is None:
-        return _top_k_top_p(logits, settings.top_k, settings.top_p)
+        return _top_k_top_p(logits, settings.top_k, settings.max_top_k, settings.top_p)
     index = torch.tensor(settings.filtered, device=logits.device)  # [F] int64
-    logits[index] = _top_k_top_p(logits[index], settings.top_k, settings.top_p)
+    logits[index] = _top_k_top_p(logits[index], settings.top_k, settings.max_top_k, settings.top_p)
     return logits
 
 
-def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor | None) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int, top_p: torch.Tensor | None) -> torch.Tensor:
     """Filter [F, V] logits in place; ties with the k-th logit survive, as in HF's TopKLogitsWarper."""
     if top_p is None:
         # top-k alone: a partial topk is cheaper than a full sort.
-        top_values = logits.topk(int(top_k.max()), dim=-1).values  # [F, max_k]
+        top_values = logits.topk(max_top_k, dim=-1).values  # [F, max_k]
         kth_logit = top_values.gather(1, (top_k - 1).unsqueeze(1))  # [F, 1]
         return logits.masked_fill_(logits < kth_logit, float("-inf"))
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)  # [F, V] each
