@@ -186,6 +186,11 @@ def run_prefill(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, fl
     return rows
 
 
+def decode_params(args: argparse.Namespace, max_tokens: int) -> nnrun.SamplingParams:
+    """The decode rows' sampling: greedy, or `--temperature`/`--top-k` sampling (HF's rows stay greedy)."""
+    return nnrun.SamplingParams(max_tokens=max_tokens, temperature=args.temperature, top_k=args.top_k, ignore_eos=True)
+
+
 def decode_seconds(generate: Callable[[int], object], device: torch.device, repeats: int, new_tokens: int) -> float:
     """T(N) - T(1) for `generate(n)` making n new tokens: N-1 decode steps, without prefill and first token."""
     first = best_seconds(lambda: generate(1), device, repeats)
@@ -198,7 +203,7 @@ def run_decode(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, flo
         prompts = random_prompts(batch, args.decode_prompt_len, args.decode_prompt_len, llm.vocab_size, seed=batch)
 
         def nnrun_generate(k: int) -> None:
-            llm.generate(prompts, nnrun.SamplingParams(max_tokens=k, temperature=0, ignore_eos=True))
+            llm.generate(prompts, decode_params(args, k))
 
         def hf_generate_all(k: int) -> None:
             hf_generate(llm.model, prompts, args.hf_max_batch, k)
@@ -268,7 +273,7 @@ def run_profile(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, fl
         prompts = random_prompts(batch, args.decode_prompt_len, args.decode_prompt_len, llm.vocab_size, seed=batch)
 
         def generate(k: int) -> Callable[[], object]:
-            params = nnrun.SamplingParams(max_tokens=k, temperature=0, ignore_eos=True)
+            params = decode_params(args, k)
             return lambda: llm.generate(prompts, params)
 
         generate(2)()  # warm-up
@@ -437,6 +442,8 @@ def parse_args() -> argparse.Namespace:
         help="prefill, decode, profile, extract, interventions (repeat or comma list)",
     )
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--temperature", type=float, default=0.0, help="decode and profile: sample (HF stays greedy)")
+    parser.add_argument("--top-k", type=int, default=0, help="decode and profile: top-k with --temperature")
     parser.add_argument(
         "--engine-option",
         action="append",

@@ -3,7 +3,7 @@
 # their time. Every step's log goes to $OUT (or benchmarks/out) as it runs.
 #
 #   bash benchmarks/gpu_check.sh [STEP ...]     # on the GPU machine, in the repository root; steps run in
-#                                               # the order given (default: 1 to 10)
+#                                               # the order given (default: 1 to 11)
 #
 # Needs the offline bundle (.whl/, from benchmarks/offline_bundle.sh). The GPU tests' models and the 8B
 # shape share FlashInfer's head-dim-128 bf16 kernels, so the JIT (about 2 minutes) is paid once, in step 1.
@@ -47,12 +47,14 @@ run_step() {
   9) step 9 120 decode-steps8 "${decode[@]}" --skip-hf --engine-option num_scheduler_steps=8 ;;
   # step 3 without HF: the baseline of steps 8 and 9 in a call that skips step 3
   10) step 10 120 decode-default "${decode[@]}" --skip-hf ;;
+  # step 10 sampling (temperature 1, top-k 50): a sampled window's steps must not wait for the GPU either
+  11) step 11 120 decode-sampled "${decode[@]}" --skip-hf --temperature 1 --top-k 50 ;;
   *) echo "no step $1" >&2 ;;
   esac
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$out/summary.txt"
-for n in "${@:-1 2 3 4 5 6 7 8 9 10}"; do
+for n in "${@:-1 2 3 4 5 6 7 8 9 10 11}"; do
   for m in $n; do run_step "$m"; done
 done
 cat "$out/summary.txt"
