@@ -111,7 +111,7 @@ class PackedMediator(Mediator):
                     # an in-place edit bumps the version counter
                     if (served._version if type(served) is torch.Tensor else _versions(served)) != versions:
                         self.edited_at = provider
-                if served is not value and not group.is_single:
+                if served is not value and len(group.rows) > 1:  # (`not group.is_single`)
                     batcher.scatter_back(value, group, served)
             elif event is Event.SWAP:
                 try:

@@ -208,26 +208,32 @@ class DecoderLayerPieces:
         leaves, skeleton = _flatten(args, kwargs)
         if skeleton != piece.skeleton:
             return None
-        key = tuple((leaf.shape, leaf.dtype) if isinstance(leaf, torch.Tensor) else None for leaf in leaves)
+        key = tuple([(leaf.shape, leaf.dtype) if isinstance(leaf, torch.Tensor) else None for leaf in leaves])
         plan = piece.plans.get(key)
         if plan is None:
             plan = piece.plans[key] = _plan_replay(piece, leaves, step.graph_size)
-        if not plan.fits or any(
-            leaves[index] is not constant and leaves[index] != constant for index, constant in plan.constants
-        ):
+        if not plan.fits:
             return None
+        for index, constant in plan.constants:
+            leaf = leaves[index]
+            if leaf is not constant and leaf != constant:
+                return None
         loaded = step.loaded
         for index, static, rows in plan.loads:
             leaf = leaves[index]
+            version = leaf._version
             previous = loaded.get(id(static))
-            if previous is not None and previous[0] is leaf and previous[1] == leaf._version:
+            if previous is not None and previous[0] is leaf and previous[1] == version:
                 continue  # the same tensor every layer gets (the rotary tables): loaded once a step
             rows.copy_(leaf)
-            loaded[id(static)] = (leaf, leaf._version)
+            loaded[id(static)] = (leaf, version)
         piece.replay()
         # Fresh copies: the next layer's replay rewrites the shared buffers.
+        if piece.out_spec is None:
+            output = plan.outputs[0]
+            return output.clone() if isinstance(output, torch.Tensor) else output
         outputs = [value.clone() if isinstance(value, torch.Tensor) else value for value in plan.outputs]
-        return outputs[0] if piece.out_spec is None else tree_unflatten(outputs, piece.out_spec)
+        return tree_unflatten(outputs, piece.out_spec)
 
     # ---- capture --------------------------------------------------------------------------
     def capture(self, capturer: GraphCapturer, batch_sizes: Sequence[int]) -> None:
@@ -319,18 +325,23 @@ def _plan_replay(piece: _Piece, leaves: list[Any], graph_size: int) -> _Plan:
 
 
 def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
-    """A layer call's leaves (tuples and lists opened) and a hashable skeleton to rebuild it; cheaper than pytree."""
+    """A layer call's leaves (tuples and lists opened) and a hashable skeleton to rebuild it; cheaper than pytree.
+
+    Called for every decoder layer of a pieces step: list comprehensions, no generators.
+    """
     leaves: list[Any] = []
+    add_leaf = leaves.append
 
     def skeleton_of(value: Any) -> Any:
-        if type(value) is tuple or type(value) is list:
-            return (type(value), tuple(skeleton_of(item) for item in value))
-        leaves.append(value)
+        kind = type(value)
+        if kind is tuple or kind is list:
+            return (kind, tuple([skeleton_of(item) for item in value]))
+        add_leaf(value)
         return None
 
     skeleton = (
-        tuple(skeleton_of(arg) for arg in args),
-        tuple((name, skeleton_of(value)) for name, value in kwargs.items()),
+        tuple([skeleton_of(arg) for arg in args]),
+        tuple([(name, skeleton_of(value)) for name, value in kwargs.items()]),
     )
     return leaves, skeleton
 
