@@ -41,6 +41,7 @@ import logging
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from operator import is_
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
@@ -112,6 +113,25 @@ class _Step:
     gate: PieceGate
     graph_size: int
     loaded: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)  # id(static) -> (live, version)
+    last_call: _FlatCall | None = None  # the last layer call's flattening: the next layer's differs only in args[0]
+
+
+@dataclass
+class _FlatCall:
+    """A layer call taken apart (`_flatten`), with its leaves' plan key, for the next layer of the step to reuse.
+
+    Every decoder layer of a step gets the same keyword arguments (rotary tables, position ids, masks: the
+    very same objects) and a new hidden state as its one positional argument; a call whose arguments past
+    the first are those objects flattens like the last one with its first leaf replaced.
+    """
+
+    first: Any  # args[0]
+    rest: tuple  # args[1:]
+    names: tuple[str, ...]  # the keyword names, in order
+    values: tuple  # the keyword values, in order
+    leaves: list[Any]
+    skeleton: tuple
+    key: tuple  # per leaf: (shape, dtype) of a tensor, None otherwise
 
 
 class LayerCall:
@@ -205,10 +225,11 @@ class DecoderLayerPieces:
     # ---- replay ---------------------------------------------------------------------------
     def _replay(self, piece: _Piece, step: _Step, args: tuple, kwargs: dict) -> Any | None:
         """Load the live arguments, replay and return the outputs' live rows; None if the call does not fit."""
-        leaves, skeleton = _flatten(args, kwargs)
-        if skeleton != piece.skeleton:
+        flat = _flatten_like(step.last_call, args, kwargs)
+        step.last_call = flat
+        leaves, key = flat.leaves, flat.key
+        if flat.skeleton != piece.skeleton:
             return None
-        key = tuple([(leaf.shape, leaf.dtype) if isinstance(leaf, torch.Tensor) else None for leaf in leaves])
         plan = piece.plans.get(key)
         if plan is None:
             plan = piece.plans[key] = _plan_replay(piece, leaves, step.graph_size)
@@ -344,6 +365,28 @@ def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
         tuple([(name, skeleton_of(value)) for name, value in kwargs.items()]),
     )
     return leaves, skeleton
+
+
+def _flatten_like(last: _FlatCall | None, args: tuple, kwargs: dict) -> _FlatCall:
+    """`_flatten` of a layer call, reusing `last` where only the first positional argument (a tensor) is new."""
+    first = args[0] if args else None
+    if (
+        last is not None
+        and type(first) is torch.Tensor
+        and type(last.first) is torch.Tensor
+        and len(args) == len(last.rest) + 1
+        and len(kwargs) == len(last.values)
+        and all(map(is_, kwargs.values(), last.values))
+        and all(map(is_, args[1:], last.rest))
+        and tuple(kwargs) == last.names
+    ):
+        leaves = last.leaves.copy()
+        leaves[0] = first
+        key = ((first.shape, first.dtype), *last.key[1:])
+        return _FlatCall(first, last.rest, last.names, last.values, leaves, last.skeleton, key)
+    leaves, skeleton = _flatten(args, kwargs)
+    key = tuple([(leaf.shape, leaf.dtype) if isinstance(leaf, torch.Tensor) else None for leaf in leaves])
+    return _FlatCall(first, args[1:], tuple(kwargs), tuple(kwargs.values()), leaves, skeleton, key)
 
 
 def _unflatten(leaves: list[Any], skeleton: tuple) -> tuple[tuple, dict]:
