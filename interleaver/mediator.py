@@ -195,7 +195,8 @@ def _versions(value: Any) -> int | list[int]:
 
 
 class PackedInterleaver(Interleaver):
-    """An interleaver that tells its batcher which location each visit is."""
+    """An interleaver that tells its batcher which location each visit is, and finds the workers parked on a
+    visit by location (`parked`), so a visit costs the workers waiting on it, not every worker in the step."""
 
     def __init__(self, batcher: PackedBatcher, fragments: Any = None) -> None:
         super().__init__(fragments)
