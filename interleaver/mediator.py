@@ -87,8 +87,9 @@ class PackedMediator(Mediator):
         pending = self.pending
         if pending is None or pending.provider != provider:  # (`is_waiting_for`, inlined: once per read)
             return value
-        occurrence = self.occurrence(provider)
-        batcher: PackedBatcher = self.interleaver.batcher
+        interleaver = self.interleaver
+        occurrence = interleaver.counts.get(provider, 0) - self.counts_at_start.get(provider, 0)  # (`occurrence`)
+        batcher: PackedBatcher = interleaver.batcher
         group = self.batch_group
         while pending is not None and pending.provider == provider and pending.iteration == occurrence:
             if self.iteration:  # the first hit of a pinned step relaxes the pin, as in nnsight
@@ -110,7 +111,7 @@ class PackedMediator(Mediator):
                     # an in-place edit bumps the version counter
                     if (served._version if type(served) is torch.Tensor else _versions(served)) != versions:
                         self.edited_at = provider
-                if served is not value and not group.is_single:
+                if served is not value and len(group.rows) > 1:  # (`not group.is_single`)
                     batcher.scatter_back(value, group, served)
             elif event is Event.SWAP:
                 try:
@@ -134,8 +135,26 @@ class PackedMediator(Mediator):
         return value
 
     def switch(self, *args: Any) -> Any:
-        """Resume the worker; whatever it raises reaches the engine as an `Exception`."""
-        return self._run_block(_resume, self, *args)
+        """Resume the worker (nnsight's `Mediator.switch`, inlined: once per served value) as the engine
+        thread's interruptible running block; whatever it raises reaches the engine as an `Exception`."""
+        blocks = self.interleaver.running_blocks
+        worker = self.worker
+        blocks.enter(self)
+        try:
+            try:
+                worker.parent = getcurrent()  # parks and finishes return here, as in nnsight
+                return worker.switch(*args)
+            except BaseException as raised:
+                if not hasattr(raised, "__intervention_tb__"):  # the block's frames only, as nnsight keeps them
+                    raised.__intervention_tb__ = raised.__traceback__
+                raise
+            finally:
+                blocks.leave(self)
+        except Exception:
+            raise
+        except BaseException as raised:
+            blocks.leave(self)  # an interrupt may have landed in the first leave(), before it took the lock
+            raise BlockInterrupt(raised) from None
 
     def _run_block(self, resume: Any, *args: Any) -> Any:
         """Run the block until it parks, as the engine thread's interruptible running block."""
@@ -166,9 +185,6 @@ class PackedMediator(Mediator):
             raise
 
 
-_resume = Mediator.switch  # nnsight's resume of a worker (`PackedMediator.switch` runs it as a block)
-
-
 def _versions(value: Any) -> int | list[int]:
     """The version counters of the tensors in a served value (views share their base's counter)."""
     if type(value) is torch.Tensor:  # the common case (a module's hidden states): no tree walk
@@ -179,7 +195,8 @@ def _versions(value: Any) -> int | list[int]:
 
 
 class PackedInterleaver(Interleaver):
-    """An interleaver that tells its batcher which location each visit is."""
+    """An interleaver that tells its batcher which location each visit is, and finds the workers parked on a
+    visit by location (`parked`), so a visit costs the workers waiting on it, not every worker in the step."""
 
     def __init__(self, batcher: PackedBatcher, fragments: Any = None) -> None:
         super().__init__(fragments)
@@ -212,6 +229,36 @@ class PackedInterleaver(Interleaver):
         finally:
             self.interleaving = False
 
+    def _reindex_parked(self) -> None:
+        """`parked`: location -> the workers parked on it, in serving order (nnsight keeps only the locations).
+
+        A visit then looks only at the workers waiting on it, not at every worker in the step.
+        """
+        parked: dict[str, list[Mediator]] = {}
+        for mediator in self.mediators:
+            pending = mediator.pending
+            if pending is not None and pending.provider is not None:
+                waiting = parked.get(pending.provider)
+                if waiting is None:
+                    parked[pending.provider] = [mediator]
+                else:
+                    waiting.append(mediator)
+        self.parked = parked
+
+    def _ready(self, provider: str) -> list[Mediator]:
+        """The workers parked on this visit of `provider` (as nnsight's, from the index of `parked`)."""
+        waiting = self.parked.get(provider)
+        if not waiting:
+            return []
+        count = self.counts.get(provider, 0)
+        return [
+            mediator
+            for mediator in waiting
+            if (pending := mediator.pending) is not None
+            and pending.provider == provider
+            and pending.iteration == count - mediator.counts_at_start.get(provider, 0)
+        ]
+
     def handle(self, provider: str, value: Any) -> Any:
         batcher = self.batcher
         if (
@@ -230,7 +277,51 @@ class PackedInterleaver(Interleaver):
         try:
             if batcher.pending_skips:
                 value = batcher.splice_skips(provider, value)
-            return super().handle(provider, value)
+            return self._serve(provider, value)
         finally:
             batcher.location = previous
             batcher.forget_views()
+
+    def _serve(self, provider: str, value: Any) -> Any:
+        """nnsight's `Interleaver.handle` past its fast path, serving only the workers parked on `provider`.
+
+        The protocol is nnsight's: every worker parked on this visit is served in turn, the index is
+        rebuilt after a pass that served any (a served worker may have released others from a
+        barrier onto this very visit, and they are served in it too), the visit is counted once at
+        the end, an early stop is raised after the visit, other errors are deferred to their worker.
+        """
+        counts = self.counts
+        occurrence = counts.get(provider, 0)
+        observers = self.observers.get(provider, ())
+        undo = None
+        fragments = self.fragments
+        if (
+            fragments is not None
+            and fragments.enabled
+            and fragments.fragmented(provider)
+            and (observers or self._ready(provider))
+        ):
+            value, undo = fragments.whole(provider, value)
+        stopped = None
+        while ready := self._ready(provider):
+            for mediator in ready:
+                try:
+                    value = mediator.handle(provider, value)
+                except Exception as exception:
+                    if self.defer_exceptions:
+                        mediator.exception = exception
+                    elif isinstance(exception, EarlyStopException):
+                        stopped = exception
+                    else:
+                        raise
+                    mediator.pending = None
+            self._reindex_parked()
+        counts[provider] = occurrence + 1
+        value = self.batcher.assemble_skip(value)
+        for mediator, cache, selected in observers:
+            cache.observe_selected(selected, self.batcher.narrow(value, mediator.batch_group))
+        if undo is not None:
+            value = undo(value)
+        if stopped is not None:
+            raise stopped
+        return value

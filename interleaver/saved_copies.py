@@ -148,15 +148,22 @@ class _Copies:
         if known is not None and known[0] is items and len(known[1]) <= len(items) and all(map(is_, items, known[1])):
             start = len(known[1])  # (`map` stops at the shorter: the known items are compared)
         owned = True  # whether items[:index] are all plain tensors that own their memory
-        memo = self.memo
+        memo, views, copies = self.memo, self.views, self.copies
         for index in range(start, len(items)):
             item = items[index]
             if type(item) is torch.Tensor:  # the common case, without `unpin`'s dispatch
                 if item._base is None:
                     continue
-                unpinned = memo.get(id(item))
+                key = id(item)
+                unpinned = memo.get(key)
                 if unpinned is None:  # (a copy is a plain tensor that owns its memory)
-                    unpinned = memo[id(item)] = self._copy(item)
+                    if item.requires_grad:
+                        unpinned = self._copy(item)
+                    else:  # `_copy`'s common case, inlined: once per saved value
+                        unpinned = torch.empty_like(item)
+                        views.append(item)
+                        copies.append(unpinned)
+                    memo[key] = unpinned
             else:
                 unpinned = self.unpin(item)
                 if owned and not (type(unpinned) is torch.Tensor and unpinned._base is None):

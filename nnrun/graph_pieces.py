@@ -41,6 +41,7 @@ import logging
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from operator import is_
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
@@ -112,6 +113,25 @@ class _Step:
     gate: PieceGate
     graph_size: int
     loaded: dict[int, tuple[torch.Tensor, int]] = field(default_factory=dict)  # id(static) -> (live, version)
+    last_call: _FlatCall | None = None  # the last layer call's flattening: the next layer's differs only in args[0]
+
+
+@dataclass
+class _FlatCall:
+    """A layer call taken apart (`_flatten`), with its leaves' plan key, for the next layer of the step to reuse.
+
+    Every decoder layer of a step gets the same keyword arguments (rotary tables, position ids, masks: the
+    very same objects) and a new hidden state as its one positional argument; a call whose arguments past
+    the first are those objects flattens like the last one with its first leaf replaced.
+    """
+
+    first: Any  # args[0]
+    rest: tuple  # args[1:]
+    names: tuple[str, ...]  # the keyword names, in order
+    values: tuple  # the keyword values, in order
+    leaves: list[Any]
+    skeleton: tuple
+    key: tuple  # per leaf: (shape, dtype) of a tensor, None otherwise
 
 
 class LayerCall:
@@ -205,29 +225,36 @@ class DecoderLayerPieces:
     # ---- replay ---------------------------------------------------------------------------
     def _replay(self, piece: _Piece, step: _Step, args: tuple, kwargs: dict) -> Any | None:
         """Load the live arguments, replay and return the outputs' live rows; None if the call does not fit."""
-        leaves, skeleton = _flatten(args, kwargs)
-        if skeleton != piece.skeleton:
+        flat = _flatten_like(step.last_call, args, kwargs)
+        step.last_call = flat
+        leaves, key = flat.leaves, flat.key
+        if flat.skeleton != piece.skeleton:
             return None
-        key = tuple((leaf.shape, leaf.dtype) if isinstance(leaf, torch.Tensor) else None for leaf in leaves)
         plan = piece.plans.get(key)
         if plan is None:
             plan = piece.plans[key] = _plan_replay(piece, leaves, step.graph_size)
-        if not plan.fits or any(
-            leaves[index] is not constant and leaves[index] != constant for index, constant in plan.constants
-        ):
+        if not plan.fits:
             return None
+        for index, constant in plan.constants:
+            leaf = leaves[index]
+            if leaf is not constant and leaf != constant:
+                return None
         loaded = step.loaded
         for index, static, rows in plan.loads:
             leaf = leaves[index]
+            version = leaf._version
             previous = loaded.get(id(static))
-            if previous is not None and previous[0] is leaf and previous[1] == leaf._version:
+            if previous is not None and previous[0] is leaf and previous[1] == version:
                 continue  # the same tensor every layer gets (the rotary tables): loaded once a step
             rows.copy_(leaf)
-            loaded[id(static)] = (leaf, leaf._version)
+            loaded[id(static)] = (leaf, version)
         piece.replay()
         # Fresh copies: the next layer's replay rewrites the shared buffers.
+        if piece.out_spec is None:
+            output = plan.outputs[0]
+            return output.clone() if isinstance(output, torch.Tensor) else output
         outputs = [value.clone() if isinstance(value, torch.Tensor) else value for value in plan.outputs]
-        return outputs[0] if piece.out_spec is None else tree_unflatten(outputs, piece.out_spec)
+        return tree_unflatten(outputs, piece.out_spec)
 
     # ---- capture --------------------------------------------------------------------------
     def capture(self, capturer: GraphCapturer, batch_sizes: Sequence[int]) -> None:
@@ -319,20 +346,47 @@ def _plan_replay(piece: _Piece, leaves: list[Any], graph_size: int) -> _Plan:
 
 
 def _flatten(args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
-    """A layer call's leaves (tuples and lists opened) and a hashable skeleton to rebuild it; cheaper than pytree."""
+    """A layer call's leaves (tuples and lists opened) and a hashable skeleton to rebuild it; cheaper than pytree.
+
+    Called for every decoder layer of a pieces step: list comprehensions, no generators.
+    """
     leaves: list[Any] = []
+    add_leaf = leaves.append
 
     def skeleton_of(value: Any) -> Any:
-        if type(value) is tuple or type(value) is list:
-            return (type(value), tuple(skeleton_of(item) for item in value))
-        leaves.append(value)
+        kind = type(value)
+        if kind is tuple or kind is list:
+            return (kind, tuple([skeleton_of(item) for item in value]))
+        add_leaf(value)
         return None
 
     skeleton = (
-        tuple(skeleton_of(arg) for arg in args),
-        tuple((name, skeleton_of(value)) for name, value in kwargs.items()),
+        tuple([skeleton_of(arg) for arg in args]),
+        tuple([(name, skeleton_of(value)) for name, value in kwargs.items()]),
     )
     return leaves, skeleton
+
+
+def _flatten_like(last: _FlatCall | None, args: tuple, kwargs: dict) -> _FlatCall:
+    """`_flatten` of a layer call, reusing `last` where only the first positional argument (a tensor) is new."""
+    first = args[0] if args else None
+    if (
+        last is not None
+        and type(first) is torch.Tensor
+        and type(last.first) is torch.Tensor
+        and len(args) == len(last.rest) + 1
+        and len(kwargs) == len(last.values)
+        and all(map(is_, kwargs.values(), last.values))
+        and all(map(is_, args[1:], last.rest))
+        and tuple(kwargs) == last.names
+    ):
+        leaves = last.leaves.copy()
+        leaves[0] = first
+        key = ((first.shape, first.dtype), *last.key[1:])
+        return _FlatCall(first, last.rest, last.names, last.values, leaves, last.skeleton, key)
+    leaves, skeleton = _flatten(args, kwargs)
+    key = tuple([(leaf.shape, leaf.dtype) if isinstance(leaf, torch.Tensor) else None for leaf in leaves])
+    return _FlatCall(first, args[1:], tuple(kwargs), tuple(kwargs.values()), leaves, skeleton, key)
 
 
 def _unflatten(leaves: list[Any], skeleton: tuple) -> tuple[tuple, dict]:

@@ -117,3 +117,42 @@ def test_whether_a_block_asks_for_gradients_is_remembered_on_its_node():
     asking, quiet = ast.parse("loss.backward()"), ast.parse("x = y.output")
     assert _asks_for_grad(asking) and asking._nnrun_asks_for_grad and _asks_for_grad(asking)
     assert not _asks_for_grad(quiet) and not _asks_for_grad(None)
+
+
+def two_readers(model) -> dict:
+    """Two invokes over a generation: one reads layer 0's output every step, the other layer 1's."""
+    with torch.no_grad():
+        with model.generate(max_new_tokens=3, do_sample=False) as tracer:
+            first, second = list().save(), list().save()
+            with tracer.invoke(CLEAN):
+                for _ in tracer.all():
+                    first.append(model.model.layers[0].output)
+            with tracer.invoke(CORRUPT):
+                for _ in tracer.all():
+                    second.append(model.model.layers[1].output)
+    return {"first": list(first), "second": list(second)}
+
+
+def test_a_visit_serves_only_the_blocks_parked_on_it_with_hfs_values(models, monkeypatch):
+    """A module's visit hands its value to the blocks waiting on that module and never wakes another's:
+    the engine asks each block's mediator only at the locations it waits on, and the reads are HF's."""
+    oracle, ours = models
+    asked: list[tuple[int, str]] = []
+    handle = PackedMediator.handle
+
+    def counting(self, provider, value):
+        asked.append((id(self), provider))
+        return handle(self, provider, value)
+
+    monkeypatch.setattr(PackedMediator, "handle", counting)
+    results = {"hf": two_readers(oracle), "nnrun": two_readers(ours)}
+    assert_same(results["hf"], results["nnrun"])
+    asked = [(block, provider) for block, provider in asked if provider.startswith("model.model.")]  # module visits
+    by_block: dict[int, set[str]] = {}
+    for block, provider in asked:
+        by_block.setdefault(block, set()).add(provider)
+    assert sorted(map(sorted, by_block.values())) == [
+        ["model.model.layers.0.output"],
+        ["model.model.layers.1.output"],
+    ]
+    assert len(asked) == 2 * 3  # each block, once a step
