@@ -61,6 +61,9 @@ class TraceJob:
     # Inside a session every name the blocks bind goes back to the caller (nnsight pushes them all there);
     # ranks then send every name back, not only the saved ones.
     pushes_every_name: bool = False
+    # No block of the trace can touch a step again (each finished, or waits only for the trace's end):
+    # its decode steps may run in windows (`NNsightRequestHelper.steps_unwatched`). Never goes back to False.
+    is_retired: bool = False
 
     def __post_init__(self) -> None:
         for invocation in self.invocations:

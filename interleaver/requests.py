@@ -163,6 +163,23 @@ class NNsightRequestHelper:
             self.interleaver.reindex()
         return self.is_watched
 
+    def steps_unwatched(self, reqs: list[Request]) -> bool:
+        """Whether no block riding on `reqs` can touch a step again, so they may run decode windows.
+
+        A block that finished, or waits only for its trace's end, stays so until the trace finishes
+        (only `finish` serves those locations): a job found so is marked `is_retired` and not looked at again.
+        """
+        for req in reqs:
+            job: TraceJob | None = req.extra_args.get("nnsight")
+            if job is None or job.is_retired:
+                continue
+            if job.needs_grad or not all(
+                inv.is_started and not _watches_steps(inv.mediator) for inv in job.invocations
+            ):
+                return False
+            job.is_retired = True
+        return True
+
     def editors_in_step(self) -> list[Invocation]:
         """The step's invocations whose blocks changed a value of the forward."""
         return [inv for inv in self.step_invocations if inv.mediator.edited_at is not None]
