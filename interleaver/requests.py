@@ -232,15 +232,21 @@ class NNsightRequestHelper:
         self.process_new_reqs(reqs)  # a request can finish (fail) before any step carried it
         finished_ids = {req.request_id for req in reqs}
         ready: dict[Invocation, None] = {}  # in the order found
+        generations: set[int] = set()  # generation jobs looked at: the answer is the same for each of their requests
         for req in reqs:
             for finished in self.request_to_invocations.pop(req.request_id, ()):
                 job = finished.job
-                waiting = job.invocations if job.kind == "generate" else [finished]
-                for invocation in waiting:
-                    if invocation.is_finished or invocation in ready or invocation not in self.live:
+                if job.kind == "generate":
+                    if id(job) in generations:
                         continue
-                    request_ids = job.requests if job.kind == "generate" else invocation.request_ids
-                    if all(job.requests[rid].is_finished or rid in finished_ids for rid in request_ids):
+                    generations.add(id(job))
+                    waiting, request_ids = job.invocations, job.requests
+                else:
+                    waiting, request_ids = [finished], finished.request_ids
+                if not all(job.requests[rid].is_finished or rid in finished_ids for rid in request_ids):
+                    continue
+                for invocation in waiting:
+                    if not (invocation.is_finished or invocation in ready or invocation not in self.live):
                         ready[invocation] = None
         return list(ready)
 

@@ -113,7 +113,7 @@ class NNsightGPUModelRunner(ModelRunner):
         helper = self.nnsight_requests
         helper.process_new_reqs(forward_batch.reqs)
         invocations, logit_spans = [], []
-        if helper.has_requests:
+        if helper.has_requests and not helper.steps_unwatched(forward_batch.reqs):  # else: as an untraced step
             logit_spans = _logit_spans(forward_batch)
             invocations = helper.process_batch_groups(forward_batch, logit_spans)
         if not invocations:
