@@ -17,7 +17,9 @@ generation of 16 mixed-length prompts (`tracer.all()` adding a vector); single t
 `--only generation` prints issue 35's rows (benchmarks/generation_rows.py): a ~30M-parameter Llama,
 --gen-prompts prompts of 16..48 tokens x --gen-tokens new tokens, greedy: the engine alone, traces
 with nothing inside / one layer / its last row / every layer saved every step / a steering vector,
-HF `generate`, and nnsight on HF; seconds, ratios and the cost per saved value in µs.
+a prefill trace and its floor (the engine's prefill alone, whose ratio to nnsight on HF is the prefill
+trace's ceiling, printed next to its own), HF `generate`, and nnsight on HF; seconds, ratios and the
+cost per saved value in µs.
 
 Usage: python benchmarks/interventions.py [--layers 4] [--hidden 256] [--threads 8] [--device cpu]
        [--only targets|classic|generation] [--reps 15] [--skip-gpt2]

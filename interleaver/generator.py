@@ -60,11 +60,16 @@ def _streams_to_generator(job: "TraceJob") -> bool:
 def serve_prompts(invocations: list["Invocation"]) -> bool:
     """The first visit of the streamer, for blocks that just started: their prompt rows. True if any was served."""
     served = False
+    widths: dict[int, int] = {}  # per job, its longest prompt (each block's rows are padded to its trace)
     for invocation in invocations:
         if invocation.has_streamed_prompt or not _streams_to_generator(invocation.job):
             continue
         invocation.has_streamed_prompt = True
-        _serve(invocation.mediator, STREAMER_OUTPUT, _prompt_rows(invocation))
+        mediator = invocation.mediator
+        if not mediator.is_waiting_for(STREAMER_OUTPUT):  # the visit only counts: no rows to build
+            _count_visit(mediator, STREAMER_OUTPUT)
+            continue
+        _serve(mediator, STREAMER_OUTPUT, _prompt_rows(invocation, widths))
         served = True
     return served
 
@@ -101,9 +106,11 @@ def serve_generated_ids(invocation: "Invocation", make_ids: Callable[[], torch.T
     return _serve(mediator, GENERATOR_OUTPUT, make_ids())
 
 
-def _prompt_rows(invocation: "Invocation") -> torch.Tensor:
+def _prompt_rows(invocation: "Invocation", widths: dict[int, int]) -> torch.Tensor:
     job = invocation.job
-    width = max(len(req.prompt_token_ids) for req in job.requests.values())
+    if id(job) not in widths:
+        widths[id(job)] = max(len(req.prompt_token_ids) for req in job.requests.values())
+    width = widths[id(job)]
     rows = []
     for request_id in invocation.request_ids:
         prompt = list(job.requests[request_id].prompt_token_ids)

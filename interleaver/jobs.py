@@ -3,7 +3,8 @@
 A trace becomes a `TraceJob`. Each invoke of it is an `Invocation`: one mediator (the invoke's
 body) over the engine requests of its prompts, in invoke order; an empty invoke spans every
 request of the trace. The client builds the job and waits on `job.done`; the runner's
-`NNsightRequestHelper` (interleaver/requests.py) drives it on the engine thread.
+`NNsightRequestHelper` (interleaver/requests.py) drives it on the engine thread. `ParamsBook`
+gives the requests their sampling params.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from nnsight.intervention.interleaver import EarlyStopException
 
 from interleaver.mediator import PackedMediator, original_error
 from nnrun.request import Request
+from nnrun.sampling_params import SamplingParams
 
 
 @dataclass(eq=False)
@@ -61,6 +63,9 @@ class TraceJob:
     # Inside a session every name the blocks bind goes back to the caller (nnsight pushes them all there);
     # ranks then send every name back, not only the saved ones.
     pushes_every_name: bool = False
+    # No block of the trace can touch a step again (each finished, or waits only for the trace's end):
+    # its decode steps may run in windows (`NNsightRequestHelper.steps_unwatched`). Never goes back to False.
+    is_retired: bool = False
 
     def __post_init__(self) -> None:
         for invocation in self.invocations:
@@ -92,6 +97,35 @@ class TraceJob:
             if request.error is not None and not isinstance(request.error, EarlyStopException):
                 return original_error(request.error)
         return None
+
+
+class ParamsBook:
+    """A trace's sampling params: built once per (invoke settings, prompt length), and equal ones are one object.
+
+    Invokes without keywords of their own share the trace's settings, so their params (which depend only on
+    the keywords and the prompt's length) are shared. One object for equal params is what `engine.generate`
+    gives its prompts: the runner samples a batch whose requests hold one object in whole-batch ops, and a
+    batch of several objects row by row.
+    """
+
+    def __init__(self, make: Callable[[dict, int], SamplingParams]) -> None:
+        self.make = make  # (settings, prompt length) -> params
+        self.shared: dict[int, SamplingParams] = {}  # prompt length -> params, for invokes without keywords
+        self.distinct: list[SamplingParams] = []
+
+    def for_invoke(self, settings: dict, has_own_settings: bool) -> Callable[[int], SamplingParams]:
+        """prompt length -> the params of one invoke's prompt."""
+        by_length = {} if has_own_settings else self.shared
+
+        def params_of(prompt_len: int) -> SamplingParams:
+            if prompt_len not in by_length:
+                made = self.make(settings, prompt_len)
+                by_length[prompt_len] = next((known for known in self.distinct if known == made), made)
+                if by_length[prompt_len] is made:
+                    self.distinct.append(made)
+            return by_length[prompt_len]
+
+        return params_of
 
 
 def pad_sequences(

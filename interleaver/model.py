@@ -27,7 +27,7 @@ from interleaver.attentions import ATTENTION_KWARGS, attention_args, check_spann
 from interleaver.edits import edit_invocations, edits_ask_for_grad, generate_with_edits
 from interleaver.envoy_messages import InsideTrace, missing_attribute
 from interleaver.generator import add_generator, user_streamer
-from interleaver.jobs import Invocation, TraceJob, pad_sequences
+from interleaver.jobs import Invocation, ParamsBook, TraceJob, pad_sequences
 from interleaver.keywords import (
     GENERATE_KWARGS,
     INVOKE_KWARGS,
@@ -261,22 +261,18 @@ class LanguageModel(_ClientEnvoyMixin, ServedValues, NNsight):
         prompts: dict[str, list[int]] = {}
         params: dict[str, SamplingParams] = {}
         extra_args: dict[str, dict] = {}  # per request, what it asks of the engine (output_attentions)
-        # Invokes without keywords of their own share the trace's settings: their sampling
-        # params (which depend only on the keywords and the prompt's length) are built once.
-        shared_params: dict[int, SamplingParams] = {}  # prompt length -> params, for such invokes
+        book = ParamsBook(lambda settings, prompt_len: self._sampling_params(kind, settings, prompt_len))
         for invoke in invokes:
             if invoke.prompts is None:
                 invoke.prompts = self._invoke_prompts(kind, invoke.inputs, invoke.kwargs)
             settings = {**trace_kwargs, **invoke.kwargs}
-            invoke_params = shared_params if not invoke.kwargs else {}
+            params_of = book.for_invoke(settings, has_own_settings=bool(invoke.kwargs))
             invoke_args = attention_args(settings)
             ids = []
             for prompt in invoke.prompts:
                 request_id = f"nnsight-{seq}-{next(_request_seq)}"
                 prompts[request_id] = prompt
-                if len(prompt) not in invoke_params:
-                    invoke_params[len(prompt)] = self._sampling_params(kind, settings, len(prompt))
-                params[request_id] = invoke_params[len(prompt)]
+                params[request_id] = params_of(len(prompt))
                 extra_args[request_id] = invoke_args
                 ids.append(request_id)
             request_ids.append(ids)

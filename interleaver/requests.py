@@ -163,6 +163,23 @@ class NNsightRequestHelper:
             self.interleaver.reindex()
         return self.is_watched
 
+    def steps_unwatched(self, reqs: list[Request]) -> bool:
+        """Whether no block riding on `reqs` can touch a step again, so they may run decode windows.
+
+        A block that finished, or waits only for its trace's end, stays so until the trace finishes
+        (only `finish` serves those locations): a job found so is marked `is_retired` and not looked at again.
+        """
+        for req in reqs:
+            job: TraceJob | None = req.extra_args.get("nnsight")
+            if job is None or job.is_retired:
+                continue
+            if job.needs_grad or not all(
+                inv.is_started and not _watches_steps(inv.mediator) for inv in job.invocations
+            ):
+                return False
+            job.is_retired = True
+        return True
+
     def editors_in_step(self) -> list[Invocation]:
         """The step's invocations whose blocks changed a value of the forward."""
         return [inv for inv in self.step_invocations if inv.mediator.edited_at is not None]
@@ -215,15 +232,21 @@ class NNsightRequestHelper:
         self.process_new_reqs(reqs)  # a request can finish (fail) before any step carried it
         finished_ids = {req.request_id for req in reqs}
         ready: dict[Invocation, None] = {}  # in the order found
+        generations: set[int] = set()  # generation jobs looked at: the answer is the same for each of their requests
         for req in reqs:
             for finished in self.request_to_invocations.pop(req.request_id, ()):
                 job = finished.job
-                waiting = job.invocations if job.kind == "generate" else [finished]
-                for invocation in waiting:
-                    if invocation.is_finished or invocation in ready or invocation not in self.live:
+                if job.kind == "generate":
+                    if id(job) in generations:
                         continue
-                    request_ids = job.requests if job.kind == "generate" else invocation.request_ids
-                    if all(job.requests[rid].is_finished or rid in finished_ids for rid in request_ids):
+                    generations.add(id(job))
+                    waiting, request_ids = job.invocations, job.requests
+                else:
+                    waiting, request_ids = [finished], finished.request_ids
+                if not all(job.requests[rid].is_finished or rid in finished_ids for rid in request_ids):
+                    continue
+                for invocation in waiting:
+                    if not (invocation.is_finished or invocation in ready or invocation not in self.live):
                         ready[invocation] = None
         return list(ready)
 

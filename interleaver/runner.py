@@ -104,15 +104,16 @@ class NNsightGPUModelRunner(ModelRunner):
         return [group for group in groups if group[0] not in spanning]
 
     def allows_multi_step(self, reqs: list[Request]) -> bool:
-        """A traced request's blocks see every step, and only its own: its steps run one per decision."""
-        return not any(_job_of(req) is not None for req in reqs) and super().allows_multi_step(reqs)
+        """A traced request's blocks see every step, and only its own: its steps run one per decision, until
+        no block of its trace can touch a step again (then they run as untraced steps, windows included)."""
+        return self.nnsight_requests.steps_unwatched(reqs) and super().allows_multi_step(reqs)
 
     # ---- 2. forward -----------------------------------------------------------------------
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         helper = self.nnsight_requests
         helper.process_new_reqs(forward_batch.reqs)
         invocations, logit_spans = [], []
-        if helper.has_requests:
+        if helper.has_requests and not helper.steps_unwatched(forward_batch.reqs):  # else: as an untraced step
             logit_spans = _logit_spans(forward_batch)
             invocations = helper.process_batch_groups(forward_batch, logit_spans)
         if not invocations:

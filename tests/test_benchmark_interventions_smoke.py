@@ -15,12 +15,15 @@ ROWS = [
     "all layers saved every step",
     "steering vector every step",
     "prefill trace, one layer read per invoke",
+    "engine prefill alone",
     "HF generate",
     "nnsight on HF, traced, nothing inside",
     "nnsight on HF, one layer saved every step",
     "nnsight on HF, steering vector every step",
     "nnsight on HF, prefill trace, one layer read per invoke",
 ]
+PREFILL_TRACE = "prefill trace, one layer read per invoke"
+PREFILL_FLOOR = "engine prefill alone"
 TIMEOUT_S = 180
 
 
@@ -50,8 +53,16 @@ def check_rows(rows: dict[str, list[str]]) -> None:
     assert list(rows) == ROWS
     for name, (seconds, vs_engine, vs_nnsight, per_value) in rows.items():
         assert float(seconds) > 0 and float(vs_engine.removesuffix("x")) > 0, name
-        assert (vs_nnsight != "-") == (name in ROWS[1:7] and f"nnsight on HF, {name}" in rows), name
+        against = PREFILL_TRACE if name == PREFILL_FLOOR else name
+        assert (vs_nnsight != "-") == (name in ROWS[1:8] and f"nnsight on HF, {against}" in rows), name
         assert (per_value != "-") == ("saved" in name and not name.startswith("nnsight")), name
+    # The prefill trace's ceiling: nnsight on HF's prefill trace over the engine's prefill alone (the floor row).
+    floor_ratio = rows[PREFILL_FLOOR][2]
+    assert rows[PREFILL_TRACE][2].endswith(f" (ceiling {floor_ratio})")
+    nnsight_s, floor_s = float(rows[f"nnsight on HF, {PREFILL_TRACE}"][0]), float(rows[PREFILL_FLOOR][0])
+    half = 0.0005  # the seconds are printed to 3 decimals, the ratio to 2
+    lowest, highest = (nnsight_s - half) / (floor_s + half), (nnsight_s + half) / max(floor_s - half, 1e-9)
+    assert lowest - 0.005 <= float(floor_ratio.removesuffix("x")) <= highest + 0.005
 
 
 @pytest.mark.slow

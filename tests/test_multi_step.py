@@ -327,6 +327,52 @@ def test_a_traced_generation_steps_one_at_a_time_beside_windowed_requests():
         ours.shutdown()
 
 
+def test_a_trace_decodes_in_windows_once_no_block_can_touch_a_step():
+    """Blocks that finished, or wait only for the trace's end, see no step again: the rest of the trace decodes in
+    windows, with the values and ids of nnsight on HF."""
+    import warnings
+
+    from conformance.compare import assert_same
+    from conformance.models import hf_language_model, tiny_llama, tiny_tokenizer, twin
+
+    model, tokenizer = tiny_llama(seed=7), tiny_tokenizer()
+    oracle = hf_language_model(twin(model), tokenizer)
+    prompts = ["the eiffel tower is in the city of", "the big old river"]
+
+    def run(lm):
+        with lm.generate(max_new_tokens=12, min_new_tokens=12, do_sample=False) as tracer:
+            with tracer.invoke(prompts[0]):
+                logits = list().save()
+                for _ in tracer.iter[:3]:
+                    logits.append(lm.lm_head.output[:, -1])
+            with tracer.invoke(prompts[1]):
+                pass
+            with tracer.invoke():
+                ids = tracer.result.save()
+        return logits, ids
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = nnrun.LanguageModel(model, tokenizer=tokenizer, num_scheduler_steps=4)
+        engine = ours.engine
+        windows: list[list[int]] = []  # per window of a traced request: its requests' tokens so far
+        run_window = engine.core._run_window
+
+        def record(reqs, num_steps):
+            if any("nnsight" in req.extra_args for req in reqs):
+                windows.append([len(req.output_token_ids) for req in reqs])
+            return run_window(reqs, num_steps)
+
+        engine.core._run_window = record
+        expected_logits, expected_ids = run(oracle)
+        actual_logits, actual_ids = run(ours)
+        ours.shutdown()
+    assert_same(expected_logits, actual_logits)
+    assert torch.equal(expected_ids.cpu(), actual_ids.cpu())
+    assert windows, "the steps after the block's last read ran one per decision"
+    assert min(windows[0]) >= 3, "a window ran while the first block still read the steps"
+
+
 def test_windows_default_to_four_on_cuda_and_one_on_the_cpu():
     """The CPU default is benchmarks/step_overhead.py's measurement: a window gains nothing there. The CUDA
     default is the H200's (docs/gpu.md)."""

@@ -149,3 +149,39 @@ def test_no_graphs_untraced_and_traced_with_nothing_give_the_same_tokens():
         assert generated_rows(result, [P, Q], model.tokenizer) == expected
     finally:
         model.shutdown()
+
+
+def test_a_traces_prompts_under_the_same_settings_are_sampled_as_one_batch(monkeypatch):
+    """Prompts of different lengths under the same settings hold one SamplingParams, as `engine.generate`'s do:
+    the runner samples them in whole-batch ops, not row by row; an invoke's own settings stay its own."""
+    model = nnrun.LanguageModel(tiny_llama(seed=5), tokenizer=tiny_tokenizer())
+    runner = model.engine.runner
+    sampled_row_by_row = []
+    row_by_row = type(runner.sampler).__call__
+    monkeypatch.setattr(
+        type(runner.sampler), "__call__", lambda self, *a: sampled_row_by_row.append(1) or row_by_row(self, *a)
+    )
+    jobs = []
+    build_job = type(model)._build_job
+    monkeypatch.setattr(type(model), "_build_job", lambda self, *a: jobs.append(build_job(self, *a)) or jobs[-1])
+    try:
+        expected = untraced_tokens(model, [P, Q])
+        with model.generate(max_new_tokens=NEW_TOKENS) as tracer:
+            with tracer.invoke(P):
+                pass
+            with tracer.invoke(Q):
+                pass
+            with tracer.invoke():
+                result = tracer.result.save()
+        assert generated_rows(result, [P, Q], model.tokenizer) == expected
+        assert len({id(request.sampling_params) for request in jobs[0].requests.values()}) == 1
+        assert not sampled_row_by_row
+        with model.generate(max_new_tokens=NEW_TOKENS) as tracer:
+            with tracer.invoke(P):
+                pass
+            with tracer.invoke(Q, max_new_tokens=2):
+                pass
+        first, second = (request.sampling_params for request in jobs[1].requests.values())
+        assert (first.max_tokens, second.max_tokens) == (NEW_TOKENS, 2)
+    finally:
+        model.shutdown()
