@@ -169,7 +169,10 @@ NNSIGHT_ROWS = (
 def engine_generate(llm: Any, s: GenerationSetup) -> None:
     import nnrun
 
-    llm.generate(s.prompt_ids, nnrun.SamplingParams(max_tokens=s.new_tokens, temperature=0, ignore_eos=True))
+    # The traced rows' decoding exactly: min_new_tokens = max_new_tokens masks EOS until the last token
+    # (ignore_eos would skip that mask, and the ratios would compare different steps).
+    params = nnrun.SamplingParams(max_tokens=s.new_tokens, min_tokens=s.new_tokens, temperature=0)
+    llm.generate(s.prompt_ids, params)
 
 
 @torch.no_grad()
