@@ -120,7 +120,13 @@ def _settings_only_terms(module: torch.nn.Module, scaling: float, kwargs: dict) 
     the backends see the same object each call (FlashInfer checks a layer's terms against its plan once).
     """
     softcap = kwargs.get("softcap")
-    settings = (scaling, kwargs.get("sliding_window"), softcap, kwargs.get("half_scores"), kwargs.get("num_value_parts", 1))
+    settings = (
+        scaling,
+        kwargs.get("sliding_window"),
+        softcap,
+        kwargs.get("half_scores"),
+        kwargs.get("num_value_parts", 1),
+    )
     cached = module.__dict__.get(_SETTINGS_TERMS)
     if cached is not None and cached[0] == settings:
         return cached[1]
