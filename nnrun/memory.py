@@ -116,8 +116,8 @@ class KVPool:
             for s in layer_shapes
         ]
         # Token-slot views of each layer's pages, made once: every layer call of every step reads them
-        self._k_flats = [pages.view(-1, *pages.shape[2:]) for pages in self.k_pages]  # each [slots, Hkv, D]
-        self._v_flats = [pages.view(-1, *pages.shape[2:]) for pages in self.v_pages]  # each [slots, Hkv, Dv]
+        self._k_flats = [pages.flatten(0, 1) for pages in self.k_pages]  # each [slots, Hkv, D]
+        self._v_flats = [pages.flatten(0, 1) for pages in self.v_pages]  # each [slots, Hkv, Dv]
 
     @property
     def trash_slot(self) -> int:
