@@ -50,7 +50,7 @@ def padded_decode_slots(forward_batch: ForwardBatch, seq_lens: torch.Tensor, zer
     Padding reads the zero page, never another request's or a freed page's KV (0 * NaN is NaN).
     """
     table = forward_batch.kv_slot_table
-    if table is not None and int(seq_lens.min()) == table.shape[1]:  # every row fills the table: nothing past an end
+    if table is not None and rows_fill_table(forward_batch, table.shape[1]):  # nothing lies past a row's end
         return table
     if table is not None:  # the request table's rows, read once: mask what lies past each request's end
         past_end = torch.arange(table.shape[1]) >= seq_lens[:, None]  # [B, max_len]
@@ -59,6 +59,11 @@ def padded_decode_slots(forward_batch: ForwardBatch, seq_lens: torch.Tensor, zer
     for row, slots in enumerate(forward_batch.kv_slots):
         padded[row, : slots.numel()] = slots
     return padded
+
+
+def rows_fill_table(forward_batch: ForwardBatch, width: int) -> bool:
+    """Whether every request of a decode step has `width` tokens of KV (equal lengths: no padding at all)."""
+    return min(forward_batch.prefix_lens, default=-1) + 1 == width
 
 
 def extend_groups(forward_batch: ForwardBatch, device: torch.device) -> list[ExtendGroup]:

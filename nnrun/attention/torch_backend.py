@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from nnrun.attention.base import AttentionBackend
 from nnrun.attention.masks import alibi_bias, allowed_keys, relative_position_bias, selected_keys
 from nnrun.attention.score_terms import HalfScores, ScoreTerms
-from nnrun.attention.step_layout import ExtendGroup, extend_groups, padded_decode_slots
+from nnrun.attention.step_layout import ExtendGroup, extend_groups, padded_decode_slots, rows_fill_table
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -58,9 +58,8 @@ class TorchAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         out_cache_loc = forward_batch.out_cache_loc.to(self.device)
         if forward_batch.forward_mode is ForwardMode.DECODE:
-            seq_len_list = [prefix + 1 for prefix in forward_batch.prefix_lens]
             # [B]; through numpy, which reads a list of ints several times faster than torch.tensor
-            seq_lens = torch.from_numpy(np.array(seq_len_list, dtype=np.int64))
+            seq_lens = torch.from_numpy(np.array(forward_batch.seq_lens, dtype=np.int64))
             padded = padded_decode_slots(forward_batch, seq_lens, self.kv_pool.zero_slot).to(self.device)  # [B, L]
             self.metadata = _TorchMetadata(
                 out_cache_loc,
@@ -69,7 +68,7 @@ class TorchAttnBackend(AttentionBackend):
                 padded,
                 seq_lens.to(self.device),
                 padded.flatten(),
-                decode_rows_full=min(seq_len_list, default=0) == padded.shape[1],
+                decode_rows_full=rows_fill_table(forward_batch, padded.shape[1]),
             )
             return
         groups = extend_groups(forward_batch, self.device)
