@@ -357,3 +357,22 @@ def test_emulator_signatures_are_the_real_ones(name):
         if method == "plan" and hasattr(real_cls, "_plan_impl"):
             real_method = real_cls._plan_impl
         assert _parameters(getattr(fake_cls, method)) == _parameters(real_method), (name, method)
+
+
+def test_a_layers_terms_are_checked_once_and_changed_terms_still_refused(fake, monkeypatch):
+    """The check against the probe's plan runs once per layer and terms object (hf_glue keeps a layer's terms)."""
+    flashinfer_backend, _ = _backends(torch.float32)
+    req = Request("r", [0] * 3, nnrun.SamplingParams(max_tokens=1))
+    req.page_ids = [1]
+    flashinfer_backend.init_forward_metadata(_forward_batch([req], [3], ForwardMode.EXTEND))
+    q, k, v = _random_qkv(3, torch.float32, torch.Generator().manual_seed(2))[1]
+    layer = _LAYERS[1]
+    checks = []
+    check = flashinfer_backend._check_layer_call
+    monkeypatch.setattr(flashinfer_backend, "_check_layer_call", lambda *args: checks.append(1) or check(*args))
+    planned = ScoreTerms(layer.scaling, layer.sliding_window, layer.softcap)
+    for _ in range(3):
+        flashinfer_backend.forward(1, q, k, v, planned)
+    assert len(checks) == 1
+    with pytest.raises(RuntimeError, match="layer 1 attends with"):
+        flashinfer_backend.forward(1, q, k, v, ScoreTerms(layer.scaling, None, layer.softcap))
