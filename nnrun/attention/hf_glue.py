@@ -66,8 +66,8 @@ def paged_attention_forward(
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     q = query[0].transpose(0, 1)  # [N, Hq, D]
     query_rescale = module.__dict__.get(QUERY_RESCALE)  # a module that scaled q by positions of its own
-    position_ids = current_position_ids()
-    if query_rescale is not None and position_ids is not None:
+    position_ids = None if query_rescale is None else current_position_ids()
+    if position_ids is not None:
         factors = query_rescale(module, position_ids)[:, None, None]  # [N, 1, 1]
         q = (q * factors).to(q.dtype)  # [N, Hq, D]
         if relative_logits is not None:
