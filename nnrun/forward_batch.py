@@ -7,7 +7,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from nnrun.request import Request
@@ -83,14 +82,6 @@ class TableRows(Sequence[torch.Tensor]):
         return self.table[row, : self.last_indices[row] + 1]
 
 
-def table_rows(req_to_token: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
-    """`[B, width]` int64: the request table's `rows`, their first `width` slots, copied (later steps cannot change it).
-
-    One gather of the narrowed table, which reads only `width` columns and costs half an advanced index at large B.
-    """
-    return req_to_token[:, :width].index_select(0, rows)
-
-
 def decode_forward_batch(reqs: list[Request], req_to_token: torch.Tensor, page_size: int) -> ForwardBatch:
     """A DECODE step: each request brings one token after its cached prefix.
 
@@ -103,7 +94,7 @@ def decode_forward_batch(reqs: list[Request], req_to_token: torch.Tensor, page_s
     position_tensor = torch.tensor(positions, dtype=torch.int64)  # [B]
     slot_tensor = torch.tensor(slots, dtype=torch.int64)  # [B]
     req_to_token[rows, position_tensor] = slot_tensor
-    kv_slot_table = table_rows(req_to_token, rows, max(positions) + 1)  # [B, max_seq_len]
+    kv_slot_table = req_to_token[rows, : max(positions) + 1]  # [B, max_seq_len] (a copy: later steps cannot change it)
     num_reqs = len(reqs)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,
@@ -138,13 +129,12 @@ def next_decode_forward_batch(
     positions = previous.positions + 1  # [B] int64
     position_list = positions.tolist()
     slots = previous.out_cache_loc + 1  # [B] int64; right for every request that stays in its page
-    # [E] rows of the requests entering a new page; numpy reads the CPU positions in place, in fewer ops than torch
-    entering = np.flatnonzero(positions.numpy() % page_size == 0)
-    if entering.size:
+    entering = (positions % page_size == 0).nonzero().flatten()  # [E] int64: requests entering a new page
+    if entering.numel():
         new_pages = [reqs[row].page_ids[position_list[row] // page_size] for row in entering.tolist()]
-        slots[torch.from_numpy(entering)] = torch.tensor(new_pages, dtype=torch.int64) * page_size  # [E] first slots
+        slots[entering] = torch.tensor(new_pages, dtype=torch.int64) * page_size  # [E] their first slots
     req_to_token[rows, positions] = slots
-    kv_slot_table = table_rows(req_to_token, rows, previous.kv_slot_table.shape[1] + 1)  # [B, max_seq_len]
+    kv_slot_table = req_to_token[rows, : previous.kv_slot_table.shape[1] + 1]  # [B, max_seq_len] (a copy)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,
         reqs=reqs,
@@ -240,7 +230,7 @@ def packed_forward_batch(
     positions, out_cache_loc, token_rows = layout(reqs, prefix_lens, seq_lens, page_size)
     req_to_token[token_rows, positions] = out_cache_loc
     rows = torch.tensor([req.req_pool_idx for req in reqs], dtype=torch.int64)  # [B]
-    kv_slot_table = table_rows(req_to_token, rows, max(seq_lens, default=0))  # [B, max_seq_len]
+    kv_slot_table = req_to_token[rows, : max(seq_lens, default=0)]  # [B, max_seq_len] (a copy)
     input_ids, logits_indices, next_rows, prompt_rows = [], [], [], []
     for req, prefix, start, q_len, wants, keeps_all in zip(
         reqs, prefix_lens, starts, q_lens, wants_prompt_logits, keeps_all_logits
