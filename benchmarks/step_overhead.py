@@ -17,21 +17,27 @@ per request does not fall with the batch is per-request Python).
 Then the multi-step table: the same decode step with k decode steps per scheduling decision
 (`num_scheduler_steps`, k = 1, 2, 4, 8), from which the CPU default was chosen.
 
+And the aten-op table: the ATen ops one decoder layer dispatches (kernels, which an accelerator launches
+one each, and views, which cost the host only) in nnrun's forward on the torch backend and in HF's own
+forward with its DynamicCache, for a prefill and for a decode step of the tiny Llama; ops outside the
+layers are counted per step (nnrun's: its attention plan too). A count, not a time: it holds on any machine.
+
 Usage: python benchmarks/step_overhead.py [--batches 1 64 256] [--prompts 16] [--new-tokens 32] [--reps 5]
-       [--decode-only | --multi-step-only] [--window-sizes 1 2 4 8]
+       [--decode-only | --multi-step-only | --ops-only] [--window-sizes 1 2 4 8] [--ops-prompt-len 64]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
 from common import interleaved_times, left_padded, shape_config
-from transformers import LlamaConfig, LlamaForCausalLM
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import nnrun
 
@@ -329,6 +335,99 @@ def measure_multi_step(batches: list[int], repeats: int, window_sizes: list[int]
         llm.shutdown()
 
 
+# Ops that allocate or alias without a kernel, though their schemas do not say they alias.
+_NO_KERNEL_OPS = {"_unsafe_view", "lift_fresh", "detach", "empty", "new_empty", "empty_strided", "alias"}
+
+
+class AtenOpCounter(TorchDispatchMode):
+    """Counts the ATen ops dispatched while active, kernels and views apart, inside decoder layers and outside.
+
+    A TorchDispatchMode is per thread: nnrun's forward is counted by entering it on the engine thread.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.in_layer = False
+        self.layer_ops: Counter[str] = Counter()  # "kernel" / "view", and each op's name
+        self.step_ops: Counter[str] = Counter()
+        for layer in model.model.layers:
+            layer.register_forward_pre_hook(lambda *_: setattr(self, "in_layer", True))
+            layer.register_forward_hook(lambda *_: setattr(self, "in_layer", False))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        returns = func._schema.returns
+        aliases = bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+        kind = "view" if aliases or name in _NO_KERNEL_OPS else "kernel"
+        (self.layer_ops if self.in_layer else self.step_ops).update((kind, f"{kind}:{name}"))
+        return func(*args, **(kwargs or {}))
+
+    def taken(self) -> tuple[Counter, Counter]:
+        counts = self.layer_ops.copy(), self.step_ops.copy()
+        self.layer_ops.clear()
+        self.step_ops.clear()
+        return counts
+
+
+def measure_aten_ops(prompt_len: int) -> dict[str, tuple[Counter, Counter]]:
+    """ATen ops per decoder layer and outside the layers per step, nnrun's forward against HF's own.
+
+    One prompt of `prompt_len` tokens, then one decode step, on the tiny Llama in float32: HF's forward
+    with a DynamicCache (sdpa), nnrun's `run_model` (torch attention backend, its plan included).
+    """
+    import copy
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(shape_config("tiny")).eval()
+    model.generation_config.eos_token_id = None
+    hf = copy.deepcopy(model)
+    num_layers = model.config.num_hidden_layers
+    prompt = [(3 * j) % 254 + 2 for j in range(prompt_len)]
+    counts: dict[str, tuple[Counter, Counter]] = {}
+    counter = AtenOpCounter(hf)
+    with torch.no_grad():
+        cache = DynamicCache(config=hf.config)
+        with counter:
+            logits = hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        counts["HF prefill"] = counter.taken()
+        with counter:
+            hf(logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        counts["HF decode"] = counter.taken()
+    llm = nnrun.LLM(model, attention_backend="torch")
+    counter = AtenOpCounter(model)
+    run_model = llm.runner.run_model
+
+    def counted(forward_batch):
+        with counter:
+            logits = run_model(forward_batch)
+        counts.setdefault(f"nnrun {forward_batch.forward_mode.value}", counter.taken())
+        return logits
+
+    llm.runner.run_model = counted
+    llm.generate([prompt], nnrun.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    llm.shutdown()
+    print(f"\nATen ops, tiny Llama ({num_layers} layers, float32, CPU), one {prompt_len}-token prompt, then decode")
+    print(
+        f"{'forward':>14} | {'per layer: kernels':>18} {'views':>6} | {'outside layers per step: kernels':>32} {'views':>6}"
+    )
+    for name in ("HF prefill", "nnrun extend", "HF decode", "nnrun decode"):
+        layer_ops, step_ops = counts[name]
+        print(
+            f"{name:>14} | {layer_ops['kernel'] / num_layers:>18.1f} {layer_ops['view'] / num_layers:>6.1f} | "
+            f"{step_ops['kernel']:>32d} {step_ops['view']:>6d}"
+        )
+    for name in ("nnrun extend", "nnrun decode"):
+        hf_name = "HF prefill" if name.endswith("extend") else "HF decode"
+        ours, theirs = counts[name][0], counts[hf_name][0]
+        extra = {
+            op.split(":", 1)[1]: (ours[op] - theirs[op]) / num_layers
+            for op in sorted(set(ours) | set(theirs))
+            if op.startswith("kernel:") and ours[op] != theirs[op]
+        }
+        print(f"  kernels per layer, {name} less {hf_name}: {extra}")
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=16)
@@ -338,13 +437,19 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--decode-only", action="store_true", help="only issue 36's decode table")
     parser.add_argument("--multi-step-only", action="store_true", help="only the multi-step table")
+    parser.add_argument("--ops-only", action="store_true", help="only the aten-op table")
+    parser.add_argument("--ops-prompt-len", type=int, default=64, help="prompt length of the aten-op table")
     parser.add_argument(
         "--window-sizes", type=int, nargs="+", default=[1, 2, 4, 8], help="num_scheduler_steps of the multi-step table"
     )
     parser.add_argument("--decode-repeats", type=int, default=3, help="runs per decode measurement; the best counts")
     args = parser.parse_args()
     torch.set_num_threads(args.torch_threads)
-    measure_multi_step(args.batches, args.decode_repeats, args.window_sizes)
+    measure_aten_ops(args.ops_prompt_len)
+    if args.ops_only:
+        return
+    if not args.decode_only:
+        measure_multi_step(args.batches, args.decode_repeats, args.window_sizes)
     if args.multi_step_only:
         return
     measure_decode(args.batches, args.decode_repeats)

@@ -42,6 +42,9 @@ class ForwardBatch:
     # Set for decode steps, so a backend can read the whole page table in one tensor instead of B of them.
     kv_slot_table: torch.Tensor | None = None
     req_pool_indices: torch.Tensor | None = None  # [B] int64 request-table rows; set for decode steps
+    # `attention_probs_rows` once read (a request asks at submission, for its whole life): a decode chain's
+    # next step keeps it, so the per-request scan runs once per chain, not once per step
+    known_attention_probs_rows: list[int] | None = field(default=None, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +57,11 @@ class ForwardBatch:
     @property
     def attention_probs_rows(self) -> list[int]:
         """Rows whose requests asked for their attention probabilities."""
-        return [row for row, req in enumerate(self.reqs) if req.extra_args.get(OUTPUT_ATTENTIONS_ARG)]
+        if self.known_attention_probs_rows is None:
+            self.known_attention_probs_rows = [
+                row for row, req in enumerate(self.reqs) if req.extra_args.get(OUTPUT_ATTENTIONS_ARG)
+            ]
+        return self.known_attention_probs_rows
 
     @property
     def seq_lens(self) -> list[int]:
@@ -145,6 +152,7 @@ def next_decode_forward_batch(
         prompt_logits_rows=previous.prompt_logits_rows,
         kv_slot_table=kv_slot_table,
         req_pool_indices=rows,
+        known_attention_probs_rows=previous.known_attention_probs_rows,
     )
 
 

@@ -115,6 +115,9 @@ class KVPool:
             torch.zeros((num_pages + 2, page_size, s.num_kv_heads, s.v_head_dim), dtype=dtype, device=device)
             for s in layer_shapes
         ]
+        # Token-slot views of each layer's pages, made once: every layer call of every step reads them
+        self._k_flats = [pages.flatten(0, 1) for pages in self.k_pages]  # each [slots, Hkv, D]
+        self._v_flats = [pages.flatten(0, 1) for pages in self.v_pages]  # each [slots, Hkv, Dv]
 
     @property
     def trash_slot(self) -> int:
@@ -129,15 +132,16 @@ class KVPool:
         return len(self.k_pages)
 
     def k_flat(self, layer_idx: int) -> torch.Tensor:
-        return self.k_pages[layer_idx].view(-1, *self.k_pages[layer_idx].shape[2:])  # [slots, Hkv, D]
+        return self._k_flats[layer_idx]  # [slots, Hkv, D]
 
     def v_flat(self, layer_idx: int) -> torch.Tensor:
-        return self.v_pages[layer_idx].view(-1, *self.v_pages[layer_idx].shape[2:])  # [slots, Hkv, Dv]
+        return self._v_flats[layer_idx]  # [slots, Hkv, Dv]
 
     def write(self, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k: [N, Hkv, D], v: [N, Hkv, Dv], slots: [N]. The cache keeps values, never autograd history."""
-        self.k_flat(layer_idx).index_copy_(0, slots, k.detach().to(self.k_pages[layer_idx].dtype))
-        self.v_flat(layer_idx).index_copy_(0, slots, v.detach().to(self.v_pages[layer_idx].dtype))
+        k_flat, v_flat = self._k_flats[layer_idx], self._v_flats[layer_idx]
+        k_flat.index_copy_(0, slots, (k.detach() if k.requires_grad else k).to(k_flat.dtype))
+        v_flat.index_copy_(0, slots, (v.detach() if v.requires_grad else v).to(v_flat.dtype))
 
     @staticmethod
     def bytes_per_token(layer_shapes: list[LayerKVShape], dtype: torch.dtype) -> int:

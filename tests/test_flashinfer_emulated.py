@@ -357,3 +357,55 @@ def test_emulator_signatures_are_the_real_ones(name):
         if method == "plan" and hasattr(real_cls, "_plan_impl"):
             real_method = real_cls._plan_impl
         assert _parameters(getattr(fake_cls, method)) == _parameters(real_method), (name, method)
+
+
+def test_a_layers_terms_are_checked_once_and_changed_terms_still_refused(fake, monkeypatch):
+    """The check against the probe's plan runs once per layer and terms object (hf_glue keeps a layer's terms)."""
+    flashinfer_backend, _ = _backends(torch.float32)
+    req = Request("r", [0] * 3, nnrun.SamplingParams(max_tokens=1))
+    req.page_ids = [1]
+    flashinfer_backend.init_forward_metadata(_forward_batch([req], [3], ForwardMode.EXTEND))
+    q, k, v = _random_qkv(3, torch.float32, torch.Generator().manual_seed(2))[1]
+    layer = _LAYERS[1]
+    checks = []
+    check = flashinfer_backend._check_layer_call
+    monkeypatch.setattr(flashinfer_backend, "_check_layer_call", lambda *args: checks.append(1) or check(*args))
+    planned = ScoreTerms(layer.scaling, layer.sliding_window, layer.softcap)
+    for _ in range(3):
+        flashinfer_backend.forward(1, q, k, v, planned)
+    assert len(checks) == 1
+    with pytest.raises(RuntimeError, match="layer 1 attends with"):
+        flashinfer_backend.forward(1, q, k, v, ScoreTerms(layer.scaling, None, layer.softcap))
+
+
+def test_a_large_decode_batch_is_planned_from_its_table_and_matches_hf(fake, monkeypatch):
+    """From `TABLE_PLAN_MIN_BATCH` requests, decode steps plan from the request table: the same plan, HF's tokens."""
+    import nnrun.attention.flashinfer_backend as module
+    import nnrun.attention.flashinfer_plan as plans
+    from nnrun.attention.flashinfer_plan import TABLE_PLAN_MIN_BATCH, plan_paged_kv
+
+    planned, from_table = [], []
+    original = module.plan_forward_batch
+    table_plan = plans.plan_decode_from_table
+    monkeypatch.setattr(plans, "plan_decode_from_table", lambda *args: from_table.append(1) or table_plan(*args))
+
+    def compared(forward_batch, page_size, chunk_size=None):
+        plan = original(forward_batch, page_size, chunk_size)
+        if forward_batch.forward_mode is ForwardMode.DECODE:
+            reqs = forward_batch.reqs
+            want = plan_paged_kv(forward_batch.prefix_lens, [1] * len(reqs), [r.page_ids for r in reqs], page_size)
+            for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
+                assert torch.equal(getattr(plan, name), getattr(want, name)), name
+            planned.append(forward_batch.batch_size)
+        return plan
+
+    monkeypatch.setattr(module, "plan_forward_batch", compared)
+    model = make_sharp_model("llama")
+    oracle = make_twin(model)
+    prompts = random_prompts([3 + i % 11 for i in range(TABLE_PLAN_MIN_BATCH + 2)], seed=6)
+    with nnrun.LLM(model, page_size=4) as llm:
+        llm.runner.allocator._free_pages.reverse()  # high page ids first: tables run downwards
+        use_flashinfer(llm)
+        outputs = llm.generate(prompts, nnrun.SamplingParams(max_tokens=6, temperature=0, logprobs=0, ignore_eos=True))
+    assert planned and min(planned) >= TABLE_PLAN_MIN_BATCH and len(from_table) == len(planned)
+    assert_greedy_matches_hf(oracle, prompts[:6], outputs[:6])

@@ -197,3 +197,26 @@ def test_engine_forward_batch_plans_the_slots_the_runner_writes():
             plan_forward_batch(runner.prepare_forward_batch_decode(reqs), 4)
         for req in reqs:
             runner.release_kv(req)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_a_decode_planned_from_its_table_equals_the_per_request_plan(page_size):
+    """Large decode steps are planned from the request table's rows; every field equals the per-request plan."""
+    from nnrun.attention.flashinfer_plan import plan_decode_from_table
+
+    generator = torch.Generator().manual_seed(page_size)
+    seq_lens = torch.randint(2, 40, (64,), generator=generator).tolist()  # each has a prefix: a decode step
+    seq_lens[0] = 2
+    seq_lens[1] = 2 * page_size
+    page_ids = [torch.randperm(200, generator=generator)[: -(-n // page_size)].tolist() for n in seq_lens]
+    width = max(seq_lens)
+    table = torch.randint(0, 1000, (len(seq_lens), width), generator=generator)  # stale past each row's end
+    for row, (seq_len, pages) in enumerate(zip(seq_lens, page_ids)):
+        positions = torch.arange(seq_len)
+        table[row, :seq_len] = torch.tensor(pages)[positions // page_size] * page_size + positions % page_size
+    want = plan_paged_kv([n - 1 for n in seq_lens], [1] * len(seq_lens), page_ids, page_size)
+    got = plan_decode_from_table(table, torch.tensor(seq_lens) - 1, page_size)
+    assert got.forward_mode is want.forward_mode is ForwardMode.DECODE
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
+        assert getattr(got, name).dtype == torch.int32
+        assert torch.equal(getattr(got, name), getattr(want, name)), name

@@ -137,3 +137,37 @@ def test_engine_decode_runs_the_fast_path_and_matches_hf(family, monkeypatch):
             position = len(prompt) - 1 + i
             assert token == expected[position].argmax().item()
             assert abs(output.outputs[0].logprobs[i][token] - expected[position, token].item()) < 1e-4
+
+
+@pytest.mark.parametrize("window, chunk, softcap", [(None, None, None), (64, None, 5.0), (None, 64, None)])
+def test_rows_that_see_all_their_keys_read_the_kept_mask_bitwise(window, chunk, softcap):
+    """Equal-length rows under limits that do not bind: the mask kept across steps gives the built mask's bits."""
+    from nnrun.attention.torch_backend import TorchAttnBackend
+    from nnrun.forward_batch import ForwardBatch, ForwardMode, TableRows
+    from nnrun.memory import KVPool, LayerKVShape
+
+    num, kv_len, page_size = 3, 9, 4
+    pool = KVPool([LayerKVShape(2, 16, 16)], 16, page_size, torch.float32, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(7)
+    pool.k_pages[0].normal_(generator=generator)
+    pool.v_pages[0].normal_(generator=generator)
+    table = torch.randperm(16 * page_size, generator=generator)[: num * kv_len].view(num, kv_len)  # [B, L] slots
+    positions = torch.full((num,), kv_len - 1)
+    forward_batch = ForwardBatch(
+        ForwardMode.DECODE, [None] * num, torch.zeros(num, dtype=torch.int64), positions, table[:, -1].clone(),
+        [1] * num, list(range(num)), [kv_len - 1] * num, TableRows(table, [kv_len - 1] * num),
+        torch.arange(num), list(range(num)), kv_slot_table=table,
+    )  # fmt: skip
+    q = torch.randn(num, 4, 16, generator=generator)  # [B, Hq, D]
+    k, v = torch.randn(num, 2, 16, generator=generator), torch.randn(num, 2, 16, generator=generator)
+    terms = ScoreTerms(0.25, sliding_window=window, softcap=softcap, chunk_size=chunk)
+    backend = TorchAttnBackend(pool, torch.device("cpu"))
+    backend.init_forward_metadata(forward_batch)
+    assert backend.metadata.decode_rows_full
+    kept = backend.forward(0, q, k, v, terms)
+    assert next(iter(backend.metadata.heads_as_keys_masks.values())).shape[0] == 1  # one mask row for all requests
+    backend.init_forward_metadata(forward_batch)
+    backend.metadata.decode_rows_full = False  # as if some row were shorter: the step builds its own mask
+    built = backend.forward(0, q, k, v, terms)
+    assert next(iter(backend.metadata.heads_as_keys_masks.values())).shape[0] == num
+    assert torch.equal(kept, built)

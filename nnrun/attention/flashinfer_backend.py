@@ -78,6 +78,7 @@ class FlashInferAttnBackend(AttentionBackend):
         self.alibi_layers = {layer.layer_idx for layer in layers if layer.has_alibi}
         self.groups: list[PlanGroup] = group_layers(layers)
         self.layer_to_group = layer_to_group_index(self.groups, len(layers))
+        self._checked_terms: list[ScoreTerms | None] = [None] * len(layers)  # per layer, the terms last checked
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)  # [bytes]
         self.prefill_wrappers = [
             _plan_staged_on_return(flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, kv_layout="NHD"))
@@ -225,34 +226,39 @@ class FlashInferAttnBackend(AttentionBackend):
         self.metadata = _StepMetadata(out_cache_loc, ForwardMode.DECODE, wrappers)
 
     def forward(self, layer_idx, q, k, v, terms: ScoreTerms):
+        if self._checked_terms[layer_idx] is not terms:  # a layer's terms repeat every step (hf_glue keeps them)
+            self._check_layer_terms(layer_idx, terms)
+            self._checked_terms[layer_idx] = terms
+        meta = self.metadata
+        self.kv_pool.write(layer_idx, meta.out_cache_loc, k, v)
+        if not meta.wrappers:
+            return q.new_empty((0, q.shape[1], v.shape[-1]))  # [0, Hq, Dv]
+        kv_cache = (self.kv_pool.k_pages[layer_idx], self.kv_pool.v_pages[layer_idx])  # NHD [pages, page_size, Hkv, D]
+        wrapper = meta.wrappers[self.layer_to_group[layer_idx]]
+        sinks = terms.sinks
+        if sinks is None:
+            return wrapper.run(q.to(self.dtype).contiguous(), kv_cache).to(q.dtype)  # [N, Hq, Dv]
+        out, lse = wrapper.run(q.to(self.dtype).contiguous(), kv_cache, return_lse=True)  # [N, Hq, Dv], [N, Hq]
+        return _with_sinks(out, lse, sinks).to(q.dtype)
+
+    def _check_layer_terms(self, layer_idx: int, terms: ScoreTerms) -> None:
+        """What the layer passes must be what the load-time probe planned; checked once per layer and terms object."""
         sinks, alibi_slopes = terms.sinks, terms.alibi_slopes
-        key_indices, relative_logits = terms.key_indices, terms.relative_logits
-        if key_indices is not None:  # `flashinfer_unplanned_features` keeps such models off this backend
+        if terms.key_indices is not None:  # `flashinfer_unplanned_features` keeps such models off this backend
             raise RuntimeError(f"layer {layer_idx} attends to its indexer's picks, which FlashInfer's plans cannot")
-        if relative_logits is not None:  # as are these
+        if terms.relative_logits is not None:  # as are these
             raise RuntimeError(f"layer {layer_idx} adds relative logits per query, which FlashInfer's kernels cannot")
         if (alibi_slopes is not None) != (layer_idx in self.alibi_layers):
             raise RuntimeError(
                 f"layer {layer_idx} attends {'with' if alibi_slopes is not None else 'without'} ALiBi "
                 "slopes, unlike at the load-time probe"
             )
-        meta = self.metadata
-        self.kv_pool.write(layer_idx, meta.out_cache_loc, k, v)
-        if not meta.wrappers:
-            return q.new_empty((0, q.shape[1], v.shape[-1]))  # [0, Hq, Dv]
-        group_index = self.layer_to_group[layer_idx]
-        self._check_layer_call(layer_idx, self.groups[group_index], terms)
+        self._check_layer_call(layer_idx, self.groups[self.layer_to_group[layer_idx]], terms)
         if (sinks is not None) != (layer_idx in self.sink_layers):
             raise RuntimeError(
                 f"layer {layer_idx} attends {'with' if sinks is not None else 'without'} attention "
                 "sinks, unlike at the load-time probe"
             )
-        kv_cache = (self.kv_pool.k_pages[layer_idx], self.kv_pool.v_pages[layer_idx])  # NHD [pages, page_size, Hkv, D]
-        wrapper = meta.wrappers[group_index]
-        if sinks is None:
-            return wrapper.run(q.to(self.dtype).contiguous(), kv_cache).to(q.dtype)  # [N, Hq, Dv]
-        out, lse = wrapper.run(q.to(self.dtype).contiguous(), kv_cache, return_lse=True)  # [N, Hq, Dv], [N, Hq]
-        return _with_sinks(out, lse, sinks).to(q.dtype)
 
     @staticmethod
     def _check_layer_call(layer_idx: int, group: PlanGroup, terms: ScoreTerms) -> None:

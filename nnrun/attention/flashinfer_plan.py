@@ -187,8 +187,17 @@ def _attended_spans(prefix_len: int, seq_len: int, chunk_size: int | None) -> li
 def plan_forward_batch(forward_batch: ForwardBatch, page_size: int, chunk_size: int | None = None) -> PagedKVPlan:
     """The page tables of one engine step, read from each request's `page_ids` (per chunk, with `chunk_size`).
 
-    A step the runner labelled EXTEND stays EXTEND even if it happens to look like a decode.
+    A step the runner labelled EXTEND stays EXTEND even if it happens to look like a decode. A large
+    decode step with its request table's rows (`kv_slot_table`) is planned from them in whole-batch ops.
     """
+    table = forward_batch.kv_slot_table
+    if (
+        forward_batch.forward_mode is ForwardMode.DECODE
+        and chunk_size is None
+        and table is not None
+        and forward_batch.batch_size >= TABLE_PLAN_MIN_BATCH
+    ):
+        return plan_decode_from_table(table, forward_batch.positions, page_size)
     plan = plan_paged_kv(
         forward_batch.prefix_lens,
         forward_batch.extend_seq_lens,
@@ -201,6 +210,33 @@ def plan_forward_batch(forward_batch: ForwardBatch, page_size: int, chunk_size: 
     elif plan.forward_mode is not ForwardMode.DECODE:
         raise ValueError("a DECODE step must bring exactly one new token per request after a cached prefix")
     return plan
+
+
+# From this many requests a decode step is planned from its table's rows: a few whole-batch ops (~25 us on a
+# CPU) instead of Python per request (~0.5 us each).
+TABLE_PLAN_MIN_BATCH = 48
+
+
+def plan_decode_from_table(kv_slot_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> PagedKVPlan:
+    """`plan_paged_kv`'s decode plan (no chunks) from the step's request-table rows, in whole-batch ops.
+
+    `kv_slot_table` `[B, L]` holds each request's slots in its first `positions[b] + 1` columns (CPU int64),
+    `positions` `[B]` each request's one new token. Page p of a request holds its tokens from `p * page_size`,
+    so the slot in that column names the page.
+    """
+    seq_lens = positions + 1  # [B] int64
+    num_pages = (seq_lens + page_size - 1) // page_size  # [B]
+    pages = kv_slot_table[:, ::page_size] // page_size  # [B, max pages] each request's pages, stale past its last
+    used = torch.arange(pages.shape[1]) < num_pages[:, None]  # [B, max pages]
+    zero = torch.zeros(1, dtype=torch.int32)
+    return PagedKVPlan(
+        forward_mode=ForwardMode.DECODE,
+        page_size=page_size,
+        qo_indptr=torch.arange(len(seq_lens) + 1, dtype=torch.int32),  # [B+1]
+        kv_indptr=torch.cat([zero, num_pages.cumsum(0).to(torch.int32)]),  # [B+1]
+        kv_indices=pages.masked_select(used).to(torch.int32),  # [sum of pages], row by row
+        kv_last_page_len=(seq_lens - (num_pages - 1) * page_size).to(torch.int32),  # [B]
+    )
 
 
 def pad_decode_plan(plan: PagedKVPlan, batch_size: int, trash_page: int) -> PagedKVPlan:

@@ -66,22 +66,38 @@ def paged_attention_forward(
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     q = query[0].transpose(0, 1)  # [N, Hq, D]
     query_rescale = module.__dict__.get(QUERY_RESCALE)  # a module that scaled q by positions of its own
-    position_ids = current_position_ids()
-    if query_rescale is not None and position_ids is not None:
+    position_ids = None if query_rescale is None else current_position_ids()
+    if position_ids is not None:
         factors = query_rescale(module, position_ids)[:, None, None]  # [N, 1, 1]
         q = (q * factors).to(q.dtype)  # [N, Hq, D]
         if relative_logits is not None:
             relative_logits = (relative_logits * factors).to(relative_logits.dtype)  # [N, Hq, E]
     sinks = kwargs.get("s_aux")
-    has_sinks = sinks is not None or per_query_sinks is not None
     picks = kwargs.get("indices")  # DSA sparse attention: [1, N, K] the keys each query's indexer picked
-    terms = ScoreTerms(
+    alibi_slopes = kwargs.get("alibi_slopes")  # given only by nnrun's own classic-family adapters (attention/classic)
+    if sinks is None and per_query_sinks is None and picks is None and alibi_slopes is None and relative_logits is None:
+        terms = _settings_only_terms(module, scaling, kwargs)
+    else:
+        terms = _score_terms(module, query, scaling, kwargs, per_query_sinks, relative_logits)
+    out = backend.forward(module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1), terms)  # [N, Hq, Dv]
+    probs_plan = current_probs_plan()
+    if probs_plan is None:  # nobody in the step asked: the second output is None, as sdpa's
+        return out.unsqueeze(0), None  # [1, N, Hq, Dv]
+    # After the backend: it has written this layer's K into the pool, and its output stays as it is.
+    return out.unsqueeze(0), probs_plan.compute(backend.kv_pool, module.layer_idx, q, terms)
+
+
+def _score_terms(module, query, scaling: float, kwargs: dict, per_query_sinks, relative_logits) -> ScoreTerms:
+    """The call's terms, tensors among them (sinks, picks, ALiBi slopes, relative logits)."""
+    sinks = kwargs.get("s_aux")
+    picks = kwargs.get("indices")  # [1, N, K]
+    has_sinks = sinks is not None or per_query_sinks is not None
+    return ScoreTerms(
         scaling,
         sliding_window=kwargs.get("sliding_window"),
         softcap=kwargs.get("softcap"),
         sinks=per_query_sinks if sinks is None else sinks,
         chunk_size=attention_chunk_size(module),
-        # ALiBi slopes are given only by nnrun's own classic-family adapters (attention/classic)
         alibi_slopes=kwargs.get("alibi_slopes"),
         # HF runs a softcapped layer in its eager code (sdpa refuses softcaps), rounding as it goes
         half_scores=HalfScores.EAGER if kwargs.get("softcap") is not None else kwargs.get("half_scores"),
@@ -92,12 +108,39 @@ def paged_attention_forward(
         half_eager=module_eager(module) if has_sinks and query.dtype != torch.float32 else None,
         num_value_parts=kwargs.get("num_value_parts", 1),
     )
-    out = backend.forward(module.layer_idx, q, key[0].transpose(0, 1), value[0].transpose(0, 1), terms)  # [N, Hq, Dv]
-    probs_plan = current_probs_plan()
-    if probs_plan is None:  # nobody in the step asked: the second output is None, as sdpa's
-        return out.unsqueeze(0), None  # [1, N, Hq, Dv]
-    # After the backend: it has written this layer's K into the pool, and its output stays as it is.
-    return out.unsqueeze(0), probs_plan.compute(backend.kv_pool, module.layer_idx, q, terms)
+
+
+_SETTINGS_TERMS = "_nnrun_settings_terms"  # a module's last settings-only ScoreTerms, with the settings it was built of
+
+
+def _settings_only_terms(module: torch.nn.Module, scaling: float, kwargs: dict) -> ScoreTerms:
+    """The terms of a call that passes settings only (no tensors): the module's last ones when its settings repeat.
+
+    Every layer call of every step passes the same settings, so the terms are built once per module and
+    the backends see the same object each call (FlashInfer checks a layer's terms against its plan once).
+    """
+    softcap = kwargs.get("softcap")
+    settings = (
+        scaling,
+        kwargs.get("sliding_window"),
+        softcap,
+        kwargs.get("half_scores"),
+        kwargs.get("num_value_parts", 1),
+    )
+    cached = module.__dict__.get(_SETTINGS_TERMS)
+    if cached is not None and cached[0] == settings:
+        return cached[1]
+    terms = ScoreTerms(
+        scaling,
+        sliding_window=settings[1],
+        softcap=softcap,
+        chunk_size=attention_chunk_size(module),
+        # HF runs a softcapped layer in its eager code (sdpa refuses softcaps), rounding as it goes
+        half_scores=HalfScores.EAGER if softcap is not None else settings[3],
+        num_value_parts=settings[4],
+    )
+    module.__dict__[_SETTINGS_TERMS] = (settings, terms)
+    return terms
 
 
 # Under torch.compile (decoder layers compiled into the decode graphs, nnrun/compiled_layers.py) the call runs

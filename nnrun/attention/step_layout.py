@@ -34,6 +34,10 @@ class ExtendGroup:
     def size(self) -> int:
         return len(self.q_starts)
 
+    def covers(self, num_tokens: int) -> bool:
+        """Whether the group's tokens are all `num_tokens` of the step, in order (its output is the step's)."""
+        return self.token_indices is None and self.q_starts[0] == 0 and self.size * self.q_len == num_tokens
+
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """`[N, ...]` per-token values -> the group's `[G, n, ...]` (a view when its tokens are adjacent)."""
         rows = x[self.token_span] if self.token_indices is None else x.index_select(0, self.token_indices)
@@ -46,6 +50,8 @@ def padded_decode_slots(forward_batch: ForwardBatch, seq_lens: torch.Tensor, zer
     Padding reads the zero page, never another request's or a freed page's KV (0 * NaN is NaN).
     """
     table = forward_batch.kv_slot_table
+    if table is not None and rows_fill_table(forward_batch, table.shape[1]):  # nothing lies past a row's end
+        return table
     if table is not None:  # the request table's rows, read once: mask what lies past each request's end
         past_end = torch.arange(table.shape[1]) >= seq_lens[:, None]  # [B, max_len]
         return table.masked_fill(past_end, zero_slot)
@@ -53,6 +59,11 @@ def padded_decode_slots(forward_batch: ForwardBatch, seq_lens: torch.Tensor, zer
     for row, slots in enumerate(forward_batch.kv_slots):
         padded[row, : slots.numel()] = slots
     return padded
+
+
+def rows_fill_table(forward_batch: ForwardBatch, width: int) -> bool:
+    """Whether every request of a decode step has `width` tokens of KV (equal lengths: no padding at all)."""
+    return min(forward_batch.prefix_lens, default=-1) + 1 == width
 
 
 def extend_groups(forward_batch: ForwardBatch, device: torch.device) -> list[ExtendGroup]:

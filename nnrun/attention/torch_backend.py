@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from nnrun.attention.base import AttentionBackend
 from nnrun.attention.masks import alibi_bias, allowed_keys, relative_position_bias, selected_keys
 from nnrun.attention.score_terms import HalfScores, ScoreTerms
-from nnrun.attention.step_layout import ExtendGroup, extend_groups, padded_decode_slots
+from nnrun.attention.step_layout import ExtendGroup, extend_groups, padded_decode_slots, rows_fill_table
 from nnrun.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -22,11 +22,14 @@ class _TorchMetadata:
     extend_groups: list[ExtendGroup]
     decode_slots: torch.Tensor | None  # [B, max_seq_len] int64 (padding points at the pool's zero page)
     decode_seq_lens: torch.Tensor | None  # [B] int64
+    decode_flat_slots: torch.Tensor | None = None  # [B * max_seq_len] int64, `decode_slots` flattened once per step
+    # Every decode row's KV fills all max_seq_len columns (equal lengths): no key lies past a row's end
+    decode_rows_full: bool = False
     # Decode masks by (sliding window, chunk size) (None, None: full causal), built by the first layer
     # that asks: every layer of that kind reads the same one.
     decode_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # each [B, 1, 1, max_seq_len] bool
     # The same as additive masks over heads packed as keys, by (window, chunk, Hq, Hkv): see `_attend_heads_as_keys`
-    heads_as_keys_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # each [B, Hq, max_seq_len * Hkv]
+    heads_as_keys_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # each [B or 1, Hq, L * Hkv]
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -46,14 +49,26 @@ class TorchAttnBackend(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self, kv_pool, device: torch.device) -> None:
+        super().__init__(kv_pool, device)
+        # Additive heads-as-keys masks with every key position allowed, by (Hq, Hkv), kept across steps and
+        # grown as contexts grow: a step whose rows all see all their keys slices its mask from one of these.
+        self._open_masks: dict[tuple[int, int], torch.Tensor] = {}  # each [Hq, capacity * Hkv] float32
+
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         out_cache_loc = forward_batch.out_cache_loc.to(self.device)
         if forward_batch.forward_mode is ForwardMode.DECODE:
             # [B]; through numpy, which reads a list of ints several times faster than torch.tensor
             seq_lens = torch.from_numpy(np.array(forward_batch.seq_lens, dtype=np.int64))
-            padded = padded_decode_slots(forward_batch, seq_lens, self.kv_pool.zero_slot)  # [B, max_len]
+            padded = padded_decode_slots(forward_batch, seq_lens, self.kv_pool.zero_slot).to(self.device)  # [B, L]
             self.metadata = _TorchMetadata(
-                out_cache_loc, ForwardMode.DECODE, [], padded.to(self.device), seq_lens.to(self.device)
+                out_cache_loc,
+                ForwardMode.DECODE,
+                [],
+                padded,
+                seq_lens.to(self.device),
+                padded.flatten(),
+                decode_rows_full=rows_fill_table(forward_batch, padded.shape[1]),
             )
             return
         groups = extend_groups(forward_batch, self.device)
@@ -64,18 +79,12 @@ class TorchAttnBackend(AttentionBackend):
         self.kv_pool.write(layer_idx, meta.out_cache_loc, k, v)
         if meta.mode is ForwardMode.DECODE:
             return self._decode(layer_idx, q, terms)
-        k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
+        groups = meta.extend_groups
+        if len(groups) == 1 and groups[0].covers(q.shape[0]):  # one shape, in order: its output is the step's
+            return self._extend_group(layer_idx, groups[0], q, k, v, terms).flatten(0, 1)  # [N, Hq, Dv]
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))  # [N, Hq, Dv]
-        for group in meta.extend_groups:
-            group_q, new_k, new_v = group.rows(q), group.rows(k), group.rows(v)  # [G, n, H, D]
-            if group.kv_slots is None:  # the whole KV is this step's: skip the pool
-                keys, values = new_k, new_v
-            else:
-                slots = group.kv_slots.flatten()
-                keys = k_flat.index_select(0, slots).view(*group.kv_slots.shape, *k_flat.shape[1:])  # [G, L, Hkv, D]
-                values = v_flat.index_select(0, slots).view(*group.kv_slots.shape, *v_flat.shape[1:])
-            # [G, n, Hq, Dv]; the group's per-query terms as [G, n, ...]
-            attended = _attend(group_q, keys, values, group.prefix_len, terms.of_queries(group.rows))
+        for group in groups:
+            attended = self._extend_group(layer_idx, group, q, k, v, terms)  # [G, n, Hq, Dv]
             attended = attended.reshape(group.size * group.q_len, *attended.shape[2:])
             if group.token_indices is None:
                 out[group.token_span] = attended
@@ -83,19 +92,29 @@ class TorchAttnBackend(AttentionBackend):
                 out.index_copy_(0, group.token_indices, attended)
         return out
 
+    def _extend_group(self, layer_idx: int, group: ExtendGroup, q, k, v, terms: ScoreTerms) -> torch.Tensor:
+        """One group's new tokens over their KV -> `[G, n, Hq, Dv]`; the group's per-query terms as `[G, n, ...]`."""
+        group_q, new_k, new_v = group.rows(q), group.rows(k), group.rows(v)  # [G, n, H, D]
+        if group.kv_slots is None:  # the whole KV is this step's: skip the pool
+            keys, values = new_k, new_v
+        else:
+            k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
+            slots = group.kv_slots.flatten()
+            keys = k_flat.index_select(0, slots).view(*group.kv_slots.shape, *k_flat.shape[1:])  # [G, L, Hkv, D]
+            values = v_flat.index_select(0, slots).view(*group.kv_slots.shape, *v_flat.shape[1:])
+        return _attend(group_q, keys, values, group.prefix_len, terms.of_queries(group.rows))
+
     def _decode(self, layer_idx, q, terms: ScoreTerms):
         """Each request's one new token over its KV: the step's padded slots, gathered once per layer."""
         meta = self.metadata
-        batch_slots = meta.decode_slots.flatten()  # [B * L]
         k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
-        keys = k_flat.index_select(0, batch_slots).view(*meta.decode_slots.shape, *k_flat.shape[1:])  # [B, L, Hkv, D]
-        values = v_flat.index_select(0, batch_slots).view(
-            *meta.decode_slots.shape, *v_flat.shape[1:]
-        )  # [B, L, Hkv, Dv]
-        allowed = self._decode_mask(terms.sliding_window, terms.chunk_size, keys.shape[1])  # [B, 1, 1, L]
+        shape = meta.decode_slots.shape  # (B, L)
+        keys = k_flat.index_select(0, meta.decode_flat_slots).view(*shape, *k_flat.shape[1:])  # [B, L, Hkv, D]
+        values = v_flat.index_select(0, meta.decode_flat_slots).view(*shape, *v_flat.shape[1:])  # [B, L, Hkv, Dv]
         if _has_plain_scores(terms) and _heads_fit_as_keys(q, keys):
-            mask = self._step_heads_as_keys_mask(terms, allowed, q.shape[1], keys.shape[2])  # [B, Hq, L * Hkv]
+            mask = self._step_heads_as_keys_mask(terms, q.shape[1], keys.shape[2])  # [B or 1, Hq, L * Hkv]
             return _attend_heads_as_keys(q, keys, values, mask, terms.scaling, terms.softcap)
+        allowed = self._decode_mask(terms.sliding_window, terms.chunk_size, keys.shape[1])  # [B, 1, 1, L]
         return self._decode_any_terms(q, keys, values, allowed, terms)
 
     def _decode_any_terms(self, q, keys, values, allowed, terms: ScoreTerms):
@@ -129,13 +148,36 @@ class TorchAttnBackend(AttentionBackend):
         )
         return out[:, 0]  # [B, 1, Hq, Dv] -> [B, Hq, Dv]
 
-    def _step_heads_as_keys_mask(self, terms: ScoreTerms, allowed, num_q_heads: int, num_kv_heads: int) -> torch.Tensor:
-        """`_heads_as_keys_mask` of the step's `allowed`, built by the first layer of its kind that asks."""
+    def _step_heads_as_keys_mask(self, terms: ScoreTerms, num_q_heads: int, num_kv_heads: int) -> torch.Tensor:
+        """`_heads_as_keys_mask` of the step's allowed keys, built by the first layer of its kind that asks.
+
+        When every row sees every one of its L keys (equal lengths, no window or chunk that binds), the
+        mask is the same for every row: `[1, Hq, L * Hkv]`, a slice of a mask kept across steps, equal
+        value for value to the one built from the step's all-true `allowed` (and broadcast by the matmul).
+        """
         masks = self.metadata.heads_as_keys_masks
         key = (terms.sliding_window, terms.chunk_size, num_q_heads, num_kv_heads)
-        if key not in masks:
-            masks[key] = _heads_as_keys_mask(allowed, num_q_heads, num_kv_heads)
-        return masks[key]
+        mask = masks.get(key)
+        if mask is None:
+            kv_len = self.metadata.decode_slots.shape[1]
+            if self.metadata.decode_rows_full and _limits_open(terms.sliding_window, terms.chunk_size, kv_len):
+                mask = self._open_heads_as_keys_mask(num_q_heads, num_kv_heads, kv_len)
+            else:
+                allowed = self._decode_mask(terms.sliding_window, terms.chunk_size, kv_len)  # [B, 1, 1, L]
+                mask = _heads_as_keys_mask(allowed, num_q_heads, num_kv_heads)
+            masks[key] = mask
+        return mask
+
+    def _open_heads_as_keys_mask(self, num_q_heads: int, num_kv_heads: int, kv_len: int) -> torch.Tensor:
+        """[1, Hq, kv_len * Hkv]: the heads-as-keys mask of a row that sees all of its kv_len keys."""
+        kept = self._open_masks.get((num_q_heads, num_kv_heads))
+        if kept is None or kept.shape[1] < kv_len * num_kv_heads:
+            capacity = max(2 * kv_len, 256)  # grown by doubling: rebuilt a few times per context, not per step
+            all_keys = torch.ones((1, 1, 1, capacity), dtype=torch.bool, device=self.device)
+            kept = self._open_masks[num_q_heads, num_kv_heads] = _heads_as_keys_mask(
+                all_keys, num_q_heads, num_kv_heads
+            )[0]
+        return kept[None, :, : kv_len * num_kv_heads]  # a view: position l, KV head g at column l * Hkv + g
 
     def _decode_mask(self, sliding_window: int | None, chunk_size: int | None, kv_len: int) -> torch.Tensor:
         """[B, 1, 1, kv_len] bool: which KV positions each request's one new token sees; built once per step."""
@@ -148,6 +190,11 @@ class TorchAttnBackend(AttentionBackend):
             allowed = allowed_keys(q_pos, kv_pos, sliding_window, chunk_size)[:, None, None, :]
             masks[sliding_window, chunk_size] = allowed
         return allowed
+
+
+def _limits_open(sliding_window: int | None, chunk_size: int | None, kv_len: int) -> bool:
+    """Whether a query at position kv_len - 1 sees every key 0..kv_len - 1 under this window and chunk."""
+    return (sliding_window is None or sliding_window >= kv_len) and (chunk_size is None or kv_len <= chunk_size)
 
 
 def _has_plain_scores(terms: ScoreTerms) -> bool:
