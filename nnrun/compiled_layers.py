@@ -14,6 +14,10 @@ One compiled function serves every layer and batch size: it is compiled from the
 forward with dynamic shapes, and with dynamo's default of inlining `nn.Module`s their weights are
 graph inputs, not constants, so the layers share one set of guards. The attention call is not
 traced (`nnrun.attention.hf_glue` disables dynamo there): the backends plan in Python.
+
+Only the families in `CHECKED_FAMILIES` compile (tests/test_compiled_layers_families.py checks each: its
+replayed graphs equal the uncompiled engine's bitwise, and hooks fire in its eager steps); any other family,
+and any whose compilation fails at capture, is captured with HF's forwards, with a warning saying why.
 """
 
 from __future__ import annotations
@@ -33,6 +37,24 @@ logger = logging.getLogger(__name__)
 
 _NO_FORWARD = object()
 
+# HF `model_type`s whose compiled layers were checked against the uncompiled engine (tests/test_compiled_layers_families.py)
+CHECKED_FAMILIES = frozenset(
+    {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma2",
+        "gemma3_text",
+        "phi3",
+        "olmo2",
+        "gpt_neox",
+        "gpt2",
+        "mixtral",
+        "qwen2_moe",
+    }
+)
+
 
 class CompiledLayersCapturer:
     """A `GraphCapturer` whose captures run the decoder layers' compiled forwards; eager calls stay HF's."""
@@ -45,17 +67,32 @@ class CompiledLayersCapturer:
         layers: torch.nn.ModuleList,
         backend: str | Callable | None = None,
         own_forward: OwnForward | None = None,
+        family: str = "model",
     ) -> None:
         self.inner = inner
         self.layers = list(layers)
         self.own_forward = own_forward or plain_own_forward
+        self.family = family  # named in the warning of a failed compilation
         if backend is not None:
             self.backend = backend
         self._compiled: dict[Callable, Callable] = {}  # per forward function: its compiled form
+        self.failure: str | None = None  # why compiling failed: every capture from then on runs HF's forwards
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-        with self.compiled_forwards():
-            return self.inner.capture(fn)
+        if self.failure is None:
+            try:
+                with self.compiled_forwards():
+                    return self.inner.capture(fn)
+            except torch._dynamo.exc.TorchDynamoException as error:  # compilation runs in the warm-up, before capture
+                cause = getattr(error, "inner_exception", None) or error  # the backend's own error
+                self.failure = f"{type(cause).__name__}: {(str(cause).splitlines() or [''])[0]}"
+                logger.warning(
+                    "compile_decoder_layers: the %s decoder layers run uncompiled in the decode graphs: "
+                    "torch.compile failed (%s)",
+                    self.family,
+                    self.failure,
+                )
+        return self.inner.capture(fn)
 
     @contextmanager
     def compiled_forwards(self) -> Iterator[None]:
@@ -116,9 +153,18 @@ def with_compiled_layers(
     `own_forward`: a module's own forward under the wrappers the runner installs (`plain_own_forward`)."""
     if not device.compile_decoder_layers:
         return capturer
+    family = model.config.model_type
+    if family not in CHECKED_FAMILIES:
+        logger.warning(
+            "compile_decoder_layers: the %s decoder layers run uncompiled in the decode graphs: compiling them is "
+            "checked against HF's values for %s only",
+            family,
+            ", ".join(sorted(CHECKED_FAMILIES)),
+        )
+        return capturer
     layers = decoder_layers(model)
     if layers is None:
-        logger.info("decoder layers not compiled: no list of decoder layers found")
+        logger.warning("compile_decoder_layers: the %s decoder layers run uncompiled: no list of them found", family)
         return capturer
-    logger.info("decode graphs capture %d decoder layers compiled with torch.compile", len(layers))
-    return CompiledLayersCapturer(capturer, layers, own_forward=own_forward)
+    logger.info("decode graphs capture %d %s decoder layers compiled with torch.compile", len(layers), family)
+    return CompiledLayersCapturer(capturer, layers, own_forward=own_forward, family=family)
