@@ -3,7 +3,8 @@
 The runner owns a second nnsight tree over the engine's HF module (`RunnerModel`), whose
 interleaver serves the mediators the clients' traces hand over. One step:
 
-1. `prepare_forward_batch_extend`: a traced prompt keeps the logits of all its positions;
+1. `prepare_forward_batch_extend`: a traced prompt keeps the logits of all its positions (computed
+   only if a block can still read them when the forward reaches the LM head: `HeadRows`);
 2. `forward`: the request helper gives each mediator its spans, starts new ones (a generation's
    new blocks get `model.generator.streamer`'s prompt visit), and the packed forward runs inside
    the interleaver (with autograd on if a trace in the step asks for it);
@@ -34,6 +35,7 @@ from nnsight.intervention.source import Controller
 
 from interleaver.batcher import InvalidWriteError, PackedBatcher
 from interleaver.generator import serve_prompts, serve_step_tokens
+from interleaver.head_rows import HeadRows, keep_next_rows_only, parked_where_logits_are_read
 from interleaver.mediator import PackedInterleaver, ServedValues
 from interleaver.requests import NNsightRequestHelper
 from interleaver.save_spill import SavedValueLedger
@@ -74,6 +76,10 @@ class NNsightGPUModelRunner(ModelRunner):
             self.interleaver, SavedValueLedger.from_config(self.config.cache, self.device)
         )
         self.watched_layers = WatchedLayers(self.interleaver)
+        head = self.model.get_output_embeddings()
+        self.head_rows = (
+            None if head is None else HeadRows(self.model, head, self._may_read_logits, self._is_block_call)
+        )
 
     def value_fragments(self) -> Any:
         """nnsight's `Fragments` for a model whose values are split over processes (a tensor-parallel rank's)."""
@@ -136,6 +142,29 @@ class NNsightGPUModelRunner(ModelRunner):
             logits = self.run_model(forward_batch)  # [R, V]
         self._keep_trace_outputs(forward_batch, logits)
         return self.process_logits(logits, forward_batch)
+
+    def run_model(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """The step's forward -> logits `[R, V]`; a traced prompt's LM head runs on its sampled rows only
+        (`[B, V]`, the layout cut to match) when no block can read its other rows (`HeadRows`)."""
+        head_rows = self.head_rows
+        if head_rows is None or not self.path.packs_requests or self.returns_every_position:
+            return super().run_model(forward_batch)
+        with head_rows.step(forward_batch, self.device):
+            logits = super().run_model(forward_batch)
+        if head_rows.is_trimmed:
+            keep_next_rows_only(forward_batch)
+        return logits
+
+    def _may_read_logits(self, reads_logits: Callable[[str], bool]) -> bool:
+        """At the LM head: whether a block of the step may read the step's logits (see `HeadRows`)."""
+        if self.interleaver.batcher.pending_skips:
+            return True
+        return parked_where_logits_are_read(
+            (inv.mediator for inv in self.nnsight_requests.step_invocations), reads_logits
+        )
+
+    def _is_block_call(self) -> bool:
+        return self.interleaver.running_blocks.innermost() is not None
 
     # ---- blocks on the engine thread (what a server's watchdogs read and end) -------------
     def num_live_blocks(self) -> int:
