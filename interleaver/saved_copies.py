@@ -147,6 +147,8 @@ class _Copies:
         start = 0
         if known is not None and known[0] is items and len(known[1]) <= len(items) and all(map(is_, items, known[1])):
             start = len(known[1])  # (`map` stops at the shorter: the known items are compared)
+        if self._copy_new_views(items, start):
+            return
         owned = True  # whether items[:index] are all plain tensors that own their memory
         memo, views, copies = self.memo, self.views, self.copies
         for index in range(start, len(items)):
@@ -171,3 +173,24 @@ class _Copies:
             if unpinned is not item:
                 items[index] = unpinned
         self.lists[id(items)] = (items, items[: len(items) if owned else end])
+
+    def _copy_new_views(self, items: list, start: int) -> bool:
+        """`_unpin_items`'s common case in one go: the items from `start` on are distinct plain views without
+        autograd state, met nowhere else this pass (`saved.append(layer.output)` every step); False otherwise.
+
+        Each gets its copy as in `_copy`, with one `empty_like` call per item and no Python loop body.
+        """
+        tail = items[start:]
+        if not tail or not all(type(t) is torch.Tensor and t._base is not None and not t.requires_grad for t in tail):
+            return False
+        ids = list(map(id, tail))
+        memo = self.memo
+        if not memo.keys().isdisjoint(ids) or len(set(ids)) != len(ids):
+            return False
+        copied = list(map(torch.empty_like, tail))  # each view's shape and strides, as `clone` keeps them
+        self.views += tail
+        self.copies += copied
+        memo.update(zip(ids, copied))
+        items[start:] = copied
+        self.lists[id(items)] = (items, items[:])  # (the copies own their memory, as the known prefix does)
+        return True
