@@ -178,7 +178,9 @@ class _Copies:
         """`_unpin_items`'s common case in one go: the items from `start` on are distinct plain views without
         autograd state, met nowhere else this pass (`saved.append(layer.output)` every step); False otherwise.
 
-        Each gets its copy as in `_copy`, with one `empty_like` call per item and no Python loop body.
+        Each gets a copy of its own, as `_copy` gives it: made by one `torch._foreach_clone` when the list
+        gained at least `MIN_CLONED_TOGETHER` of them (the allocations in C++, and one copy launch on a GPU),
+        else joining the pass's copies (`fill`).
         """
         tail = items[start:]
         if not tail or not all(type(t) is torch.Tensor and t._base is not None and not t.requires_grad for t in tail):
@@ -187,10 +189,17 @@ class _Copies:
         memo = self.memo
         if not memo.keys().isdisjoint(ids) or len(set(ids)) != len(ids):
             return False
-        copied = list(map(torch.empty_like, tail))  # each view's shape and strides, as `clone` keeps them
-        self.views += tail
-        self.copies += copied
+        if len(tail) >= MIN_CLONED_TOGETHER:
+            copied = torch._foreach_clone(tail)  # each view's shape and strides, as `clone` keeps them
+        else:
+            copied = list(map(torch.empty_like, tail))  # (filled with the pass's other copies)
+            self.views += tail
+            self.copies += copied
         memo.update(zip(ids, copied))
         items[start:] = copied
         self.lists[id(items)] = (items, items[:])  # (the copies own their memory, as the known prefix does)
         return True
+
+
+# A list's new views copied by one `_foreach_clone` of their own from this many on (fewer join the pass's copy).
+MIN_CLONED_TOGETHER = 8
