@@ -163,7 +163,7 @@ class _Counter:
         return tensor
 
     def count_many(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """`count` of each of `tensors` (distinct plain tensors), in order."""
+        """`count` of each of `tensors` (distinct plain tensors), in order: `tensors` itself if each stays as it is."""
         placed, ledger = self.placed, self.ledger
         fresh = [t for t in tensors if (entry := placed.get(id(t))) is None or entry() is not t]
         if not fresh:
@@ -174,10 +174,11 @@ class _Counter:
         total = sum(sizes)
         if not on_device or budget.device_bytes + total > budget.max_device_bytes:
             return [self.count(t) for t in tensors]  # one at a time: some go elsewhere
-        budget.hold(self.key, total, on_host=False)
-        record = self._record
-        for tensor, num_bytes in zip(fresh, sizes):
-            record(tensor, False, num_bytes)
+        key, died = self.key, self.died
+        budget.hold(key, total, on_host=False)
+        for tensor, num_bytes in zip(fresh, sizes):  # (`_record`, inlined: once per saved value)
+            record = placed[id(tensor)] = Counted(tensor, died)
+            record.key, record.tensor_id, record.on_host, record.num_bytes = key, id(tensor), False, num_bytes
         return tensors
 
     def _record(self, tensor: torch.Tensor, on_host: bool, num_bytes: int) -> None:
@@ -252,23 +253,18 @@ class _Walk:
         """`map` the items of a list appended since the last pass, in place."""
         known = self.scanned.get(id(items))
         start = known[1] if known is not None and known[0] is items and known[1] <= len(items) else 0
-        memo = self.memo
-        # The common case, without `map`'s dispatch: plain tensors, each met once in this pass, counted at once.
-        plain: list[torch.Tensor] = []
-        for index in range(start, len(items)):
-            item = items[index]
-            if type(item) is torch.Tensor and id(item) not in memo:
-                memo[id(item)] = item
-                plain.append(item)
-        if plain:
-            for tensor, mapped in zip(plain, self.fn_many(plain)):
-                memo[id(tensor)] = mapped
-        for index in range(start, len(items)):
-            item = items[index]
-            if type(item) is torch.Tensor:
-                mapped = memo[id(item)]
-            else:
-                mapped = self.map(item)
-            if mapped is not item:
-                items[index] = mapped
+        memo, tail = self.memo, items[start:]
+        ids = list(map(id, tail))
+        if all(type(t) is torch.Tensor for t in tail) and memo.keys().isdisjoint(ids) and len(set(ids)) == len(ids):
+            # The common case (plain tensors, each met once in this pass), counted at once without `map`'s dispatch.
+            mapped = self.fn_many(tail)
+            memo.update(zip(ids, mapped))
+            if mapped is not tail:
+                items[start:] = mapped
+        else:
+            for index in range(start, len(items)):
+                item = items[index]
+                result = self.map(item)
+                if result is not item:
+                    items[index] = result
         self.scanned[id(items)] = (items, len(items))
