@@ -77,7 +77,9 @@ class _Copies:
     A view that carries autograd state is cloned on the spot (the clone joins the graph, see
     `carry_grad`); every other is given an empty tensor of its shape and strides (as `clone` would
     make) at once, and the pass copies into all of them with one `torch._foreach_copy_`: on a GPU,
-    one launch per step rather than one per saved value. The copies never share storage: each
+    one launch per step rather than one per saved value. A saved list that gained many plain views
+    since the last pass (every request's read of every layer) has them copied by one
+    `torch._foreach_clone` of their own (`_copy_new_views`): the same copies, allocated in C++. The copies never share storage: each
     request's saved values are its own. `memo` (id of a value -> what it became) gives a view held
     in two places one copy.
 
