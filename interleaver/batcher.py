@@ -82,7 +82,8 @@ class PackedBatcher(SkipSplicing, Batcher):
 
     def forget_views(self) -> None:
         """End of a visit: the per-request views of its value (`_request_views`) go."""
-        self._views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        # (the value this visit split, its per-request views): read by `PackedMediator.handle` for each one-request read
+        self.split_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
 
     def _request_views(self, tensor: torch.Tensor, layout: Layout) -> list[torch.Tensor] | None:
         """Every request's `[1, T_i, ...]` view of a token-first `[1, N, ...]` value, made by one split per visit.
@@ -93,9 +94,9 @@ class PackedBatcher(SkipSplicing, Batcher):
         """
         if self.span_lens is None or torch.is_grad_enabled():
             return None
-        views = self._views
+        views = self.split_views
         if views is None or views[0] is not tensor:
-            views = self._views = (tensor, tensor.split(self.span_lens[layout], dim=1))
+            views = self.split_views = (tensor, tensor.split(self.span_lens[layout], dim=1))
         return views[1]
 
     @property
@@ -167,7 +168,7 @@ class PackedBatcher(SkipSplicing, Batcher):
     def narrow(self, value: Any, group: Any) -> Any:
         if group is None:
             return value
-        views = self._views
+        views = self.split_views
         if (
             views is not None
             and views[0] is value

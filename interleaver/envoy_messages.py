@@ -22,12 +22,13 @@ class InsideTrace:
     def __init__(self, value_property: Any, name: str) -> None:
         self.value_property = value_property
         self.name = name
+        self._get = value_property.__get__  # (bound once: every read of a value goes through here)
 
     def __get__(self, envoy: Any, owner: Any = None) -> Any:
         if envoy is None:
             return self.value_property
         try:
-            return self.value_property.__get__(envoy, owner)
+            return self._get(envoy, owner)
         except ValueError as error:
             raise _outside_trace(envoy, self.name, "read") or error from None
 

@@ -96,14 +96,26 @@ class PackedMediator(Mediator):
                 self.iteration = None
             event = pending.event
             if event is Event.VALUE:
-                try:
-                    served = batcher.narrow(value, group)
-                except InvalidWriteError as error:  # a read the step cannot serve this request alone
-                    self.pending = self.throw(error)
-                    pending = self.pending
-                    continue
-                if torch.is_grad_enabled():  # a step that runs with autograd: `.retain_grad()` must work
-                    sink_grads(value, served)
+                views = batcher.split_views
+                has_grad = torch.is_grad_enabled()
+                if (
+                    views is not None
+                    and views[0] is value
+                    and group is not None
+                    and len(group.rows) == 1
+                    and batcher.called_by is None
+                    and not has_grad
+                ):  # (`narrow`'s first case, inlined: once per read) the request's view of the split value
+                    served = views[1][group.rows[0]]
+                else:
+                    try:
+                        served = batcher.narrow(value, group)
+                    except InvalidWriteError as error:  # a read the step cannot serve this request alone
+                        self.pending = self.throw(error)
+                        pending = self.pending
+                        continue
+                    if has_grad:  # a step that runs with autograd: `.retain_grad()` must work
+                        sink_grads(value, served)
                 versions = served._version if type(served) is torch.Tensor else _versions(served)
                 try:
                     self.pending = self.switch(served)

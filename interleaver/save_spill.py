@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -116,27 +116,10 @@ class SavedValueLedger:
 
     def _account_job(self, job: TraceJob) -> bool:
         """Count one job's new saved tensors; True if some went to the host."""
-        key = id(job)
-        placed = self._placed.setdefault(key, {})
-        died = self._dropped.append
-        moved = [False]
-
-        def count(tensor: torch.Tensor) -> torch.Tensor:
-            entry = placed.get(id(tensor))
-            if entry is not None and entry() is tensor:
-                return tensor
-            num_bytes = tensor.nbytes
-            on_host = self._place(key, tensor, num_bytes)
-            if on_host and (not tensor.is_cpu or not self.is_cuda):  # on CPU every value is the device's
-                tensor = _to_host(tensor, self.is_cuda)
-                moved[0] = True
-            record = placed[id(tensor)] = Counted(tensor, died)
-            record.key, record.tensor_id, record.on_host, record.num_bytes = key, id(tensor), on_host, num_bytes
-            return tensor
-
+        counter = _Counter(self, id(job))
         # (a `SaveBudgetError` leaves the failing trace counted until `release`)
-        _map_saved_values(job, _Walk(count, self._scanned.setdefault(key, {})))
-        return moved[0]
+        _map_saved_values(job, _Walk(counter, self._scanned.setdefault(counter.key, {})))
+        return counter.moved
 
     def _place(self, key: int, tensor: torch.Tensor, num_bytes: int) -> bool:
         """Where a new saved tensor is counted: True for the host (`SaveBudgetError` if it fits nowhere)."""
@@ -147,6 +130,60 @@ class SavedValueLedger:
             self.budget.place_on_host(key, num_bytes)
             return True
         return self.budget.place(key, num_bytes)
+
+
+class _Counter:
+    """One pass's counting of a job's saved tensors (`SavedValueLedger._account_job`).
+
+    `count` takes one tensor; `count_many` the tensors a saved list gained since the last pass
+    (`saved.append(layer.output)` under `tracer.all()`: one per request, module and step), and when
+    they are all plain device values that fit in the device budget together, counts them with one
+    sum instead of one budget call each (the same totals, where each would stay anyway).
+    """
+
+    def __init__(self, ledger: SavedValueLedger, key: int) -> None:
+        self.ledger = ledger
+        self.key = key
+        self.placed = ledger._placed.setdefault(key, {})
+        self.died = ledger._dropped.append
+        self.moved = False  # whether some tensor went to the host
+
+    def count(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` counted (as is, or its host copy past the device budget)."""
+        entry = self.placed.get(id(tensor))
+        if entry is not None and entry() is tensor:
+            return tensor
+        ledger = self.ledger
+        num_bytes = tensor.nbytes
+        on_host = ledger._place(self.key, tensor, num_bytes)
+        if on_host and (not tensor.is_cpu or not ledger.is_cuda):  # on CPU every value is the device's
+            tensor = _to_host(tensor, ledger.is_cuda)
+            self.moved = True
+        self._record(tensor, on_host, num_bytes)
+        return tensor
+
+    def count_many(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`count` of each of `tensors` (distinct plain tensors), in order: `tensors` itself if each stays as it is."""
+        placed, ledger = self.placed, self.ledger
+        fresh = [t for t in tensors if (entry := placed.get(id(t))) is None or entry() is not t]
+        if not fresh:
+            return tensors
+        budget = ledger.budget
+        on_device = not any(t.requires_grad or (t.is_cpu and ledger.is_cuda) for t in fresh)
+        sizes = [t.nbytes for t in fresh]
+        total = sum(sizes)
+        if not on_device or budget.device_bytes + total > budget.max_device_bytes:
+            return [self.count(t) for t in tensors]  # one at a time: some go elsewhere
+        key, died = self.key, self.died
+        budget.hold(key, total, on_host=False)
+        for tensor, num_bytes in zip(fresh, sizes):  # (`_record`, inlined: once per saved value)
+            record = placed[id(tensor)] = Counted(tensor, died)
+            record.key, record.tensor_id, record.on_host, record.num_bytes = key, id(tensor), False, num_bytes
+        return tensors
+
+    def _record(self, tensor: torch.Tensor, on_host: bool, num_bytes: int) -> None:
+        record = self.placed[id(tensor)] = Counted(tensor, self.died)
+        record.key, record.tensor_id, record.on_host, record.num_bytes = self.key, id(tensor), on_host, num_bytes
 
 
 def _to_host(tensor: torch.Tensor, pin_memory: bool) -> torch.Tensor:
@@ -177,10 +214,12 @@ def _map_saved_values(job: TraceJob, walk: _Walk) -> None:
 
 
 class _Walk:
-    """One pass over a job's saved values: `fn` for each tensor (which returns it as is once counted)."""
+    """One pass over a job's saved values: `fn` for each tensor (which returns it as is once counted), `fn_many`
+    for a list's new plain tensors at once."""
 
-    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], scanned: Scanned) -> None:
-        self.fn = fn
+    def __init__(self, counter: _Counter, scanned: Scanned) -> None:
+        self.fn = counter.count
+        self.fn_many = counter.count_many
         self.scanned = scanned
         self.memo: dict[int, Any] = {}  # id of a value -> what it became (a value held twice is walked once)
 
@@ -214,15 +253,18 @@ class _Walk:
         """`map` the items of a list appended since the last pass, in place."""
         known = self.scanned.get(id(items))
         start = known[1] if known is not None and known[0] is items and known[1] <= len(items) else 0
-        memo, fn = self.memo, self.fn
-        for index in range(start, len(items)):
-            item = items[index]
-            if type(item) is torch.Tensor:  # the common case, without `map`'s dispatch
-                mapped = memo.get(id(item))
-                if mapped is None:
-                    mapped = memo[id(item)] = fn(item)
-            else:
-                mapped = self.map(item)
-            if mapped is not item:
-                items[index] = mapped
+        memo, tail = self.memo, items[start:]
+        ids = list(map(id, tail))
+        if all(type(t) is torch.Tensor for t in tail) and memo.keys().isdisjoint(ids) and len(set(ids)) == len(ids):
+            # The common case (plain tensors, each met once in this pass), counted at once without `map`'s dispatch.
+            mapped = self.fn_many(tail)
+            memo.update(zip(ids, mapped))
+            if mapped is not tail:
+                items[start:] = mapped
+        else:
+            for index in range(start, len(items)):
+                item = items[index]
+                result = self.map(item)
+                if result is not item:
+                    items[index] = result
         self.scanned[id(items)] = (items, len(items))

@@ -77,7 +77,9 @@ class _Copies:
     A view that carries autograd state is cloned on the spot (the clone joins the graph, see
     `carry_grad`); every other is given an empty tensor of its shape and strides (as `clone` would
     make) at once, and the pass copies into all of them with one `torch._foreach_copy_`: on a GPU,
-    one launch per step rather than one per saved value. The copies never share storage: each
+    one launch per step rather than one per saved value. A saved list that gained many plain views
+    since the last pass (every request's read of every layer) has them copied by one
+    `torch._foreach_clone` of their own (`_copy_new_views`): the same copies, allocated in C++. The copies never share storage: each
     request's saved values are its own. `memo` (id of a value -> what it became) gives a view held
     in two places one copy.
 
@@ -147,6 +149,8 @@ class _Copies:
         start = 0
         if known is not None and known[0] is items and len(known[1]) <= len(items) and all(map(is_, items, known[1])):
             start = len(known[1])  # (`map` stops at the shorter: the known items are compared)
+        if self._copy_new_views(items, start):
+            return
         owned = True  # whether items[:index] are all plain tensors that own their memory
         memo, views, copies = self.memo, self.views, self.copies
         for index in range(start, len(items)):
@@ -171,3 +175,33 @@ class _Copies:
             if unpinned is not item:
                 items[index] = unpinned
         self.lists[id(items)] = (items, items[: len(items) if owned else end])
+
+    def _copy_new_views(self, items: list, start: int) -> bool:
+        """`_unpin_items`'s common case in one go: the items from `start` on are distinct plain views without
+        autograd state, met nowhere else this pass (`saved.append(layer.output)` every step); False otherwise.
+
+        Each gets a copy of its own, as `_copy` gives it: made by one `torch._foreach_clone` when the list
+        gained at least `MIN_CLONED_TOGETHER` of them (the allocations in C++, and one copy launch on a GPU),
+        else joining the pass's copies (`fill`).
+        """
+        tail = items[start:]
+        if not tail or not all(type(t) is torch.Tensor and t._base is not None and not t.requires_grad for t in tail):
+            return False
+        ids = list(map(id, tail))
+        memo = self.memo
+        if not memo.keys().isdisjoint(ids) or len(set(ids)) != len(ids):
+            return False
+        if len(tail) >= MIN_CLONED_TOGETHER:
+            copied = torch._foreach_clone(tail)  # each view's shape and strides, as `clone` keeps them
+        else:
+            copied = list(map(torch.empty_like, tail))  # (filled with the pass's other copies)
+            self.views += tail
+            self.copies += copied
+        memo.update(zip(ids, copied))
+        items[start:] = copied
+        self.lists[id(items)] = (items, items[:])  # (the copies own their memory, as the known prefix does)
+        return True
+
+
+# A list's new views copied by one `_foreach_clone` of their own from this many on (fewer join the pass's copy).
+MIN_CLONED_TOGETHER = 8

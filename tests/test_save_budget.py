@@ -276,6 +276,28 @@ def test_the_ledger_counts_what_a_step_appended_and_uncounts_what_died():
     assert (ledger.budget.device_bytes, ledger.budget.host_bytes, ledger.budget.num_traces) == (0, 0, 0)
 
 
+def test_a_steps_appended_values_counted_together_are_counted_as_one_by_one():
+    """Many values appended in one step that all fit are counted with one sum: the same totals, and each is
+    still uncounted when it dies; past the device budget they are placed one by one."""
+    ledger = save_spill.SavedValueLedger(SaveBudget(max_device_bytes=1000, max_host_bytes=1 << 20))
+    job = SimpleNamespace(invocations=[], client_saves=[[]])
+    saved = job.client_saves[0]
+    values = [torch.zeros(4) for _ in range(20)]  # 16 bytes each
+    saved.extend(values[:10])
+    saved.append(values[0])  # held twice: counted once
+    assert ledger.account([job]) == {}
+    assert (ledger.budget.device_bytes, ledger.budget.host_bytes) == (160, 0)
+    saved[3] = None  # a counted value dies
+    del values[3]  # (`values[10:]` are the 9 values from the 11th on now)
+    saved.extend(values[10:])
+    saved.append(torch.zeros(250))  # 1000 bytes: the step's values no longer fit together
+    assert ledger.account([job]) == {}
+    assert (ledger.budget.device_bytes, ledger.budget.host_bytes) == (144 + 9 * 16, 1000)
+    assert all(t is v for t, v in zip(saved[11:20], values[10:])) and saved[-1]._base is None
+    ledger.release(job)
+    assert (ledger.budget.device_bytes, ledger.budget.host_bytes, ledger.budget.num_traces) == (0, 0, 0)
+
+
 @pytest.mark.gpu
 def test_on_cuda_values_past_the_device_budget_are_pinned_host_copies_equal_to_device_ones():
     if not torch.cuda.is_available():

@@ -66,3 +66,26 @@ def test_a_view_with_a_gradient_is_copied_into_the_graph():
     assert copy._base is None and copy.grad_fn is not None
     copy.sum().backward()
     assert weight.grad[0, 1:3].eq(3.0).all() and weight.grad[0, 0].eq(0.0).all()
+
+
+def test_a_list_that_gains_many_views_at_once_gets_a_copy_of_each_with_clones_strides():
+    from interleaver.saved_copies import MIN_CLONED_TOGETHER
+
+    walked: dict = {}
+    saved: list = []
+    job = SimpleNamespace(client_saves=[saved])
+    for step_index in range(2):  # every request's read of every layer, appended in one step
+        step = torch.randn(1, MIN_CLONED_TOGETHER, 6)  # [1, N, H]
+        reads = list(step.split(1, dim=1)) + [step[:, :, ::2]]  # the last one strided, as a `.source` value may be
+        saved.extend(reads)
+        unpin_client_saves([job], {}, walked)
+        for copy, view in zip(saved[-len(reads) :], reads):
+            assert copy is not view and _owns_storage(copy) and torch.equal(copy, view)
+            assert copy.stride() == view.clone().stride()
+    assert len({t.untyped_storage().data_ptr() for t in saved}) == len(saved)
+    twice = torch.randn(1, MIN_CLONED_TOGETHER, 2)
+    view = twice[:, :1]
+    saved.extend([view] * MIN_CLONED_TOGETHER)  # one view appended many times: still one copy, held everywhere
+    unpin_client_saves([job], {}, walked)
+    tail = saved[-MIN_CLONED_TOGETHER:]
+    assert all(t is tail[0] for t in tail) and _owns_storage(tail[0]) and torch.equal(tail[0], view)
