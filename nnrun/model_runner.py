@@ -37,6 +37,19 @@ from nnrun.state import StatePool, state_pool_for
 logger = logging.getLogger(__name__)
 
 
+class GradOff:
+    """`torch.no_grad()` for one `with` block (not a decorator): the same mode, at a third of its cost per step."""
+
+    __slots__ = ("previous",)
+
+    def __enter__(self) -> None:
+        self.previous = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self.previous)
+
+
 @dataclass
 class LogitsProcessorOutput:
     next_token_logits: torch.Tensor  # [B, V] one row per request (its last new token), batch order
@@ -333,7 +346,11 @@ class ModelRunner(KVPoolSetup):
         Any other implementation would attend across the packed requests' boundaries by position
         heuristics at best, and ignore the KV cache at decode.
         """
-        if self.model.config._attn_implementation != self.attn_implementation:
+        config = self.model.config
+        # First read past the config's own `__getattribute__` (a remapping lookup that costs more than the check)
+        if object.__getattribute__(config, "_attn_implementation_internal") == self.attn_implementation:
+            return
+        if config._attn_implementation != self.attn_implementation:
             logger.warning(
                 "the model's attention implementation was changed to %r outside nnrun; restoring %r",
                 self.model.config._attn_implementation,
@@ -343,7 +360,7 @@ class ModelRunner(KVPoolSetup):
 
     def grad_context(self, forward_batch: ForwardBatch) -> AbstractContextManager:
         """Autograd is off for serving; subclasses turn it on for requests that ask for gradients."""
-        return torch.no_grad()
+        return GradOff()
 
     @staticmethod
     def process_logits(logits: torch.Tensor, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
@@ -361,7 +378,7 @@ class ModelRunner(KVPoolSetup):
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> SamplerOutput:
         reqs = forward_batch.reqs
         shared = shared_sampling_params(reqs)  # every row the same settings: sampled in whole-batch ops
-        with torch.no_grad():
+        with GradOff():
             logits = logits_output.next_token_logits  # [B, V]
             if shared is None or shared.min_tokens > 0:
                 logits = self._mask_stops_before_min_tokens(logits, reqs)
