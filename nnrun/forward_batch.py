@@ -146,7 +146,7 @@ def next_decode_forward_batch(
             new_pages = [reqs[row].page_ids[position_list[row] // page_size] for row in entering.tolist()]
             slots[entering] = torch.tensor(new_pages, dtype=torch.int64) * page_size  # [E] their first slots
         num_steps_in_pages = page_size - 1 - int(offsets.max())
-    req_to_token[rows, positions] = slots
+    req_to_token.index_put_((rows, positions), slots)
     kv_slot_table = req_to_token[rows, : previous.kv_slot_table.shape[1] + 1]  # [B, max_seq_len] (a copy)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,

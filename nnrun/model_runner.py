@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 
 import torch
 from torch.nn.modules import module as nn_module
+from torch.utils.hooks import RemovableHandle
 
 from nnrun.attention import ATTN_IMPLEMENTATION, AttentionBackend, TorchAttnBackend
 from nnrun.attention.classic import adapt_classic_attention
@@ -22,6 +23,7 @@ from nnrun.cuda_graph import CudaGraphCapturer, DecodeGraphRunner, GraphCapturer
 from nnrun.exact import FORCED_REASON, HFForward, choose_exact_forward, packed_layers
 from nnrun.forward_batch import OUTPUT_ATTENTIONS_ARG, ForwardBatch, ForwardMode
 from nnrun.forward_path import ExactPath, ForwardPath, PackedPath
+from nnrun.grad_modes import GradOff, InferenceOn
 from nnrun.graph_pieces import DecoderLayerPieces, PieceGate, capture_decoder_layer_pieces
 from nnrun.loader import load_model, max_context_len, packed_unfit_reason
 from nnrun.memory import hold_kv, release_kv
@@ -35,19 +37,6 @@ from nnrun.sampling_params import SamplingParams
 from nnrun.state import StatePool, state_pool_for
 
 logger = logging.getLogger(__name__)
-
-
-class GradOff:
-    """`torch.no_grad()` for one `with` block (not a decorator): the same mode, at a third of its cost per step."""
-
-    __slots__ = ("previous",)
-
-    def __enter__(self) -> None:
-        self.previous = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-
-    def __exit__(self, *exc: object) -> None:
-        torch._C._set_grad_enabled(self.previous)
 
 
 @dataclass
@@ -64,6 +53,8 @@ class ModelRunner(KVPoolSetup):
     gather_heads = None  # a tensor-parallel rank's all-gather of attention probabilities over the heads
 
     captures_graph_pieces = False  # per-layer decode graphs for watched steps (a runner that has a `piece_gate`)
+
+    _hookless_at_handle = -1  # `RemovableHandle.next_id` when a scan last found no module hooks (`_has_module_hooks`)
 
     attn_implementation: str = ATTN_IMPLEMENTATION  # the name the model's config keeps for its attention (load_model)
 
@@ -225,7 +216,13 @@ class ModelRunner(KVPoolSetup):
     def _has_module_hooks(self) -> bool:
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return True
-        return any(module._forward_hooks or module._forward_pre_hooks for module in self._modules)
+        # Every hook registered since the last scan took a new handle id: none taken, none added
+        if self._hookless_at_handle == RemovableHandle.next_id:
+            return False
+        if any(module._forward_hooks or module._forward_pre_hooks for module in self._modules):
+            return True
+        self._hookless_at_handle = RemovableHandle.next_id
+        return False
 
     def _replays_graph(self, forward_batch: ForwardBatch) -> bool:
         return self._graphs_fit(forward_batch) and self.can_use_cuda_graph(forward_batch)
@@ -368,7 +365,7 @@ class ModelRunner(KVPoolSetup):
         inference mode, could update in place: the pools it writes were made before.
         """
         if self.path.takes_graphs and self.can_use_cuda_graph(forward_batch):
-            return torch.inference_mode()
+            return InferenceOn()
         return GradOff()
 
     @staticmethod
