@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from contextlib import AbstractContextManager
 from typing import Callable
 
 import torch
@@ -269,7 +270,7 @@ def paged_attention_mask(*args, **kwargs) -> torch.Tensor | None:
     return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
 
 
-class hf_masks_skipped:  # noqa: N801 (used as a function: `with hf_masks_skipped(model):`)
+def hf_masks_skipped(model: torch.nn.Module | None = None) -> AbstractContextManager[None]:
     """Within an engine step, HF prepares no attention mask at all.
 
     The mask builder above is registered so that the model, called plainly, masks like sdpa. But
@@ -284,8 +285,13 @@ class hf_masks_skipped:  # noqa: N801 (used as a function: `with hf_masks_skippe
     Re-entrant; the engine runs one step at a time (a plain call from another thread during a step
     already lands in the engine's attention, by the one forward context).
     """
+    return _MasksSkipped(model)
 
-    __slots__ = ("model", "builder", "own_name")  # a class, not a generator: entered once per step, it costs less
+
+class _MasksSkipped:
+    """`hf_masks_skipped`'s block; a class rather than a generator: it is entered once per step, it costs less."""
+
+    __slots__ = ("model", "builder", "own_name")
 
     def __init__(self, model: torch.nn.Module | None = None) -> None:
         self.model = model
