@@ -45,6 +45,11 @@ class ForwardBatch:
     # `attention_probs_rows` once read (a request asks at submission, for its whole life): a decode chain's
     # next step keeps it, so the per-request scan runs once per chain, not once per step
     known_attention_probs_rows: list[int] | None = field(default=None, repr=False)
+    # `logits_indices` is every token's row, in order (a decode step's `arange(N)`): the model may keep them all
+    logits_of_every_token: bool = False
+    # Decode steps after this one in which every request still writes into its current page (0: unknown, or some
+    # request enters a new page next step): a decode chain's next step then advances slots without a page lookup
+    num_steps_in_pages: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -111,6 +116,8 @@ def decode_forward_batch(reqs: list[Request], req_to_token: torch.Tensor, page_s
         prompt_logits_rows=[None] * num_reqs,
         kv_slot_table=kv_slot_table,
         req_pool_indices=rows,
+        logits_of_every_token=True,
+        num_steps_in_pages=page_size - 1 - max(pos % page_size for pos in positions),
     )
 
 
@@ -123,21 +130,27 @@ def next_decode_forward_batch(
     (the engine's decode chain), and that the scheduler holds a page for each new position. Nothing
     is read per request but the new page of those that enter one (one in `page_size` steps): positions
     and slots advance by one in whole-batch ops, and the request table gets the new slots in one write.
+    While every request stays in its page (`num_steps_in_pages`), no request is even looked for.
     """
     assert previous.forward_mode is ForwardMode.DECODE and previous.req_pool_indices is not None
-    reqs, rows = previous.reqs, previous.req_pool_indices
+    rows = previous.req_pool_indices
     positions = previous.positions + 1  # [B] int64
     position_list = positions.tolist()
     slots = previous.out_cache_loc + 1  # [B] int64; right for every request that stays in its page
-    entering = (positions % page_size == 0).nonzero().flatten()  # [E] int64: requests entering a new page
-    if entering.numel():
-        new_pages = [reqs[row].page_ids[position_list[row] // page_size] for row in entering.tolist()]
-        slots[entering] = torch.tensor(new_pages, dtype=torch.int64) * page_size  # [E] their first slots
-    req_to_token[rows, positions] = slots
+    num_steps_in_pages = previous.num_steps_in_pages - 1
+    if num_steps_in_pages < 0:  # some request may enter a new page: look up the first slots of those that do
+        offsets = positions % page_size  # [B] int64
+        entering = (offsets == 0).nonzero().flatten()  # [E] int64
+        if entering.numel():
+            reqs = previous.reqs
+            new_pages = [reqs[row].page_ids[position_list[row] // page_size] for row in entering.tolist()]
+            slots[entering] = torch.tensor(new_pages, dtype=torch.int64) * page_size  # [E] their first slots
+        num_steps_in_pages = page_size - 1 - int(offsets.max())
+    req_to_token.index_put_((rows, positions), slots)
     kv_slot_table = req_to_token[rows, : previous.kv_slot_table.shape[1] + 1]  # [B, max_seq_len] (a copy)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,
-        reqs=reqs,
+        reqs=previous.reqs,
         # [B], as the token lists end now; left on the sampler's device, so a step can follow the last on the
         # GPU without a sync (a multi-step window's tokens reach the host after its last step)
         input_ids=next_token_ids.to(dtype=torch.int64),
@@ -153,6 +166,8 @@ def next_decode_forward_batch(
         kv_slot_table=kv_slot_table,
         req_pool_indices=rows,
         known_attention_probs_rows=previous.known_attention_probs_rows,
+        logits_of_every_token=previous.logits_of_every_token,
+        num_steps_in_pages=num_steps_in_pages,
     )
 
 

@@ -11,9 +11,9 @@ instead of testing which forward the model has.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Iterator
 
 import torch
 
@@ -146,31 +146,48 @@ class PackedPath(ForwardPath):
             return self.graphs.replay(forward_batch)  # [B, V]: a decode step keeps every row
         gate = runner._piece_gate(forward_batch)
         # Pieces read the graph buffers (planned first); the eager parts the step's ordinary plan.
-        pieces = nullcontext() if gate is None else self.pieces.step(self.graphs.load_step(forward_batch), gate)
+        pieces = _NOTHING if gate is None else self.pieces.step(self.graphs.load_step(forward_batch), gate)
         backend = runner.attention_backend_for(forward_batch) if self.backend is None else self.backend
         backend.init_forward_metadata(forward_batch)
+        device = runner.device
         # None unless a request of the step asked for attention probabilities
-        probs_plan = AttentionProbsPlan.for_batch(forward_batch, runner.device, runner.gather_heads)
-        position_ids = forward_batch.positions.to(runner.device)[None]  # [1, N]
-        logits_indices = forward_batch.logits_indices.to(runner.device)  # [R]
+        probs_plan = AttentionProbsPlan.for_batch(forward_batch, device, runner.gather_heads)
+        position_ids = forward_batch.positions.to(device)[None]  # [1, N]
+        logits_indices = forward_batch.logits_indices.to(device)  # [R]
         with (
             forward_context(backend, probs_plan, position_ids),
             hf_masks_skipped(runner.model),
             runner.grad_context(forward_batch),
-            serve_states(self.state_pool, forward_batch),
-            serve_indexers(self.indexer_keys, forward_batch, runner.device),
+            self.pools_served(forward_batch, device),
             pieces,
         ):
             output = runner.model(
-                input_ids=forward_batch.input_ids.to(runner.device)[None],
+                input_ids=forward_batch.input_ids.to(device)[None],
                 position_ids=position_ids,
                 use_cache=False,
-                logits_to_keep=logits_indices,
+                logits_to_keep=0 if forward_batch.logits_of_every_token else logits_indices,  # 0: every position
             )
         runner.output_type = type(output)  # the model's own output class (GPT-2's differs from Llama's)
         if runner.returns_every_position:  # [N, V]: take the step's rows
             return output.logits[0].index_select(0, logits_indices)
         return output.logits[0]
+
+    def pools_served(self, forward_batch: ForwardBatch, device: torch.device) -> AbstractContextManager:
+        """The step's views of the pools beside the KV, around its forward (nothing to serve without pools)."""
+        if self.state_pool is None and self.indexer_keys is None:
+            return _NOTHING
+        return _pools_served(self.state_pool, self.indexer_keys, forward_batch, device)
+
+
+_NOTHING = nullcontext()  # reusable: entering it does nothing
+
+
+@contextmanager
+def _pools_served(
+    state_pool: StatePool | None, indexer_keys: IndexerKeyPool | None, forward_batch: ForwardBatch, device: torch.device
+) -> Iterator[None]:
+    with serve_states(state_pool, forward_batch), serve_indexers(indexer_keys, forward_batch, device):
+        yield
 
 
 @dataclass

@@ -140,8 +140,10 @@ class KVPool:
     def write(self, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k: [N, Hkv, D], v: [N, Hkv, Dv], slots: [N]. The cache keeps values, never autograd history."""
         k_flat, v_flat = self._k_flats[layer_idx], self._v_flats[layer_idx]
-        k_flat.index_copy_(0, slots, (k.detach() if k.requires_grad else k).to(k_flat.dtype))
-        v_flat.index_copy_(0, slots, (v.detach() if v.requires_grad else v).to(v_flat.dtype))
+        if k.requires_grad or k.dtype != k_flat.dtype or v.requires_grad or v.dtype != v_flat.dtype:
+            k, v = k.detach().to(k_flat.dtype), v.detach().to(v_flat.dtype)  # (checked first: a no-op `to` costs ~1 us)
+        k_flat.index_copy_(0, slots, k)
+        v_flat.index_copy_(0, slots, v)
 
     @staticmethod
     def bytes_per_token(layer_shapes: list[LayerKVShape], dtype: torch.dtype) -> int:

@@ -11,7 +11,7 @@ and they may call modules during the forward.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -30,17 +30,31 @@ _current_state_step: StateStep | None = None
 _current_indexer_step: IndexerStep | None = None
 
 
-@contextmanager
+class _ForwardContext:
+    """Serves `state` (backend, probs plan, position ids) for one forward; re-entrant, the outer one restored.
+
+    A class rather than a generator: it is entered once per step, where a generator's frame costs more.
+    """
+
+    __slots__ = ("state", "previous")
+
+    def __init__(self, state: tuple) -> None:
+        self.state = state
+
+    def __enter__(self) -> None:
+        global _current_backend, _current_probs_plan, _current_position_ids
+        self.previous = _current_backend, _current_probs_plan, _current_position_ids
+        _current_backend, _current_probs_plan, _current_position_ids = self.state
+
+    def __exit__(self, *exc: object) -> None:
+        global _current_backend, _current_probs_plan, _current_position_ids
+        _current_backend, _current_probs_plan, _current_position_ids = self.previous
+
+
 def forward_context(
     backend: AttentionBackend, probs_plan: AttentionProbsPlan | None = None, position_ids: torch.Tensor | None = None
-) -> Iterator[None]:
-    global _current_backend, _current_probs_plan, _current_position_ids
-    previous = _current_backend, _current_probs_plan, _current_position_ids
-    _current_backend, _current_probs_plan, _current_position_ids = backend, probs_plan, position_ids
-    try:
-        yield
-    finally:
-        _current_backend, _current_probs_plan, _current_position_ids = previous
+) -> AbstractContextManager[None]:
+    return _ForwardContext((backend, probs_plan, position_ids))
 
 
 def current_backend() -> AttentionBackend | None:

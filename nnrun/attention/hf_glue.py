@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import functools
 import sys
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Callable
 
 import torch
 from transformers import AttentionInterface
@@ -270,8 +270,7 @@ def paged_attention_mask(*args, **kwargs) -> torch.Tensor | None:
     return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
 
 
-@contextmanager
-def hf_masks_skipped(model: torch.nn.Module | None = None) -> Iterator[None]:
+def hf_masks_skipped(model: torch.nn.Module | None = None) -> AbstractContextManager[None]:
     """Within an engine step, HF prepares no attention mask at all.
 
     The mask builder above is registered so that the model, called plainly, masks like sdpa. But
@@ -286,20 +285,32 @@ def hf_masks_skipped(model: torch.nn.Module | None = None) -> Iterator[None]:
     Re-entrant; the engine runs one step at a time (a plain call from another thread during a step
     already lands in the engine's attention, by the one forward context).
     """
-    registry = AttentionMaskInterface._global_mapping
-    builder = registry.pop(ATTN_IMPLEMENTATION, None)
-    config = getattr(model, "config", None)
-    mask_free = model is not None and model.__dict__.get(MASK_FREE_UNDER_OUR_NAME, False)
-    own_name = config._attn_implementation_internal if mask_free else ATTN_IMPLEMENTATION
-    if own_name != ATTN_IMPLEMENTATION:
-        config._attn_implementation_internal = ATTN_IMPLEMENTATION
-    try:
-        yield
-    finally:
-        if own_name != ATTN_IMPLEMENTATION:
-            config._attn_implementation_internal = own_name
-        if builder is not None:
-            registry[ATTN_IMPLEMENTATION] = builder
+    return _MasksSkipped(model)
+
+
+class _MasksSkipped:
+    """`hf_masks_skipped`'s block; a class rather than a generator: it is entered once per step, it costs less."""
+
+    __slots__ = ("model", "builder", "own_name")
+
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.builder = AttentionMaskInterface._global_mapping.pop(ATTN_IMPLEMENTATION, None)
+        model = self.model
+        self.own_name = ATTN_IMPLEMENTATION
+        if model is not None and model.__dict__.get(MASK_FREE_UNDER_OUR_NAME, False):
+            config = model.config
+            self.own_name = config._attn_implementation_internal
+            if self.own_name != ATTN_IMPLEMENTATION:
+                config._attn_implementation_internal = ATTN_IMPLEMENTATION
+
+    def __exit__(self, *exc: object) -> None:
+        if self.own_name != ATTN_IMPLEMENTATION:
+            self.model.config._attn_implementation_internal = self.own_name
+        if self.builder is not None:
+            AttentionMaskInterface._global_mapping[ATTN_IMPLEMENTATION] = self.builder
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -21,7 +21,6 @@ class _TorchMetadata:
     mode: ForwardMode
     extend_groups: list[ExtendGroup]
     decode_slots: torch.Tensor | None  # [B, max_seq_len] int64 (padding points at the pool's zero page)
-    decode_seq_lens: torch.Tensor | None  # [B] int64
     decode_flat_slots: torch.Tensor | None = None  # [B * max_seq_len] int64, `decode_slots` flattened once per step
     # Every decode row's KV fills all max_seq_len columns (equal lengths): no key lies past a row's end
     decode_rows_full: bool = False
@@ -30,6 +29,16 @@ class _TorchMetadata:
     decode_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # each [B, 1, 1, max_seq_len] bool
     # The same as additive masks over heads packed as keys, by (window, chunk, Hq, Hkv): see `_attend_heads_as_keys`
     heads_as_keys_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # each [B or 1, Hq, L * Hkv]
+    decode_batch: ForwardBatch | None = None  # the decode step, whose KV lengths a layer that needs them reads
+    _decode_seq_lens: torch.Tensor | None = None
+
+    @property
+    def decode_seq_lens(self) -> torch.Tensor:
+        """[B] int64 each decode row's KV length, made when a layer first needs it (equal full rows never do)."""
+        if self._decode_seq_lens is None:
+            seq_lens = torch.from_numpy(np.array(self.decode_batch.seq_lens, dtype=np.int64))
+            self._decode_seq_lens = seq_lens.to(self.decode_slots.device)
+        return self._decode_seq_lens
 
 
 class TorchAttnBackend(AttentionBackend):
@@ -58,21 +67,29 @@ class TorchAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         out_cache_loc = forward_batch.out_cache_loc.to(self.device)
         if forward_batch.forward_mode is ForwardMode.DECODE:
-            # [B]; through numpy, which reads a list of ints several times faster than torch.tensor
-            seq_lens = torch.from_numpy(np.array(forward_batch.seq_lens, dtype=np.int64))
-            padded = padded_decode_slots(forward_batch, seq_lens, self.kv_pool.zero_slot).to(self.device)  # [B, L]
+            table = forward_batch.kv_slot_table
+            rows_full = table is not None and rows_fill_table(forward_batch, table.shape[1])
+            seq_lens = None  # [B], made here only to pad shorter rows (else by the first layer that needs it)
+            if rows_full:  # equal lengths: the request table's rows are the slots, nothing to pad
+                padded = table.to(self.device)  # [B, L]
+            else:
+                # through numpy, which reads a list of ints several times faster than torch.tensor
+                seq_lens = torch.from_numpy(np.array(forward_batch.seq_lens, dtype=np.int64))
+                padded = padded_decode_slots(forward_batch, seq_lens, self.kv_pool.zero_slot).to(self.device)
+                seq_lens = seq_lens.to(self.device)
             self.metadata = _TorchMetadata(
                 out_cache_loc,
                 ForwardMode.DECODE,
                 [],
                 padded,
-                seq_lens.to(self.device),
                 padded.flatten(),
-                decode_rows_full=rows_fill_table(forward_batch, padded.shape[1]),
+                decode_rows_full=rows_full or rows_fill_table(forward_batch, padded.shape[1]),
+                decode_batch=forward_batch,
+                _decode_seq_lens=seq_lens,
             )
             return
         groups = extend_groups(forward_batch, self.device)
-        self.metadata = _TorchMetadata(out_cache_loc, ForwardMode.EXTEND, groups, None, None)
+        self.metadata = _TorchMetadata(out_cache_loc, ForwardMode.EXTEND, groups, None)
 
     def forward(self, layer_idx, q, k, v, terms: ScoreTerms):
         meta = self.metadata
