@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from nnrun.call_routing import routed_class
 from nnrun.forward_batch import ForwardBatch
 
 _ROUTER_ATTR = "_nnrun_head_rows"  # on the LM head: a weakref to its HeadRows
@@ -38,15 +39,17 @@ class HeadRows:
         self,
         model: torch.nn.Module,
         head: torch.nn.Module,
+        head_path: str,
         may_read_logits: Callable[[Callable[[str], bool]], bool],
         is_block_call: Callable[[], bool],
     ) -> None:
-        """`may_read_logits(reads_logits)`: whether a block of the step is parked on a location for which
-        `reads_logits` says True (or may read them otherwise); `is_block_call`: whether a block runs now."""
+        """`head_path`: the head's nnsight path (`model.lm_head`); `may_read_logits(reads_logits)`: whether a
+        block of the step is parked on a location for which `reads_logits` says True (or may read them
+        otherwise); `is_block_call`: whether a block runs now."""
         self.head = head
         self.may_read_logits = may_read_logits
         self.is_block_call = is_block_call
-        self.head_path = _path_of(model, head)
+        self.head_path = head_path
         self.before_head = {  # every module but the root and the head (and what the head holds)
             f"model.{name}"
             for name, _ in model.named_modules()
@@ -128,21 +131,10 @@ def _prefixes(location: str) -> Iterator[str]:
         end = location.rfind(".", 0, end)
 
 
-def _path_of(model: torch.nn.Module, module: torch.nn.Module) -> str:
-    for name, candidate in model.named_modules():
-        if candidate is module:
-            return f"model.{name}" if name else "model"
-    raise ValueError("the LM head is not a module of the model")
-
-
 def _route(head: torch.nn.Module, rows: HeadRows) -> None:
     cls = type(head)
     if cls.__dict__.get("__call__") is not _routed_call:
-        head.__class__ = type(
-            cls.__name__,
-            (cls,),
-            {"__call__": _routed_call, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
-        )
+        head.__class__ = routed_class(cls, _routed_call)
     object.__setattr__(head, _ROUTER_ATTR, weakref.ref(rows))
 
 

@@ -96,34 +96,21 @@ class PackedMediator(Mediator):
                 self.iteration = None
             event = pending.event
             if event is Event.VALUE:
-                views = batcher.split_views
-                has_grad = torch.is_grad_enabled()
-                if (
-                    views is not None
-                    and views[0] is value
-                    and group is not None
-                    and len(group.rows) == 1
-                    and batcher.called_by is None
-                    and not has_grad
-                ):  # (`narrow`'s first case, inlined: once per read) the request's view of the split value
-                    served = views[1][group.rows[0]]
-                else:
-                    try:
-                        served = batcher.narrow(value, group)
-                    except InvalidWriteError as error:  # a read the step cannot serve this request alone
-                        self.pending = self.throw(error)
-                        pending = self.pending
-                        continue
-                    if has_grad:  # a step that runs with autograd: `.retain_grad()` must work
-                        sink_grads(value, served)
-                versions = served._version if type(served) is torch.Tensor else _versions(served)
+                try:
+                    served = batcher.narrow(value, group)
+                except InvalidWriteError as error:  # a read the step cannot serve this request alone
+                    self.pending = self.throw(error)
+                    pending = self.pending
+                    continue
+                if torch.is_grad_enabled():  # a step that runs with autograd: `.retain_grad()` must work
+                    sink_grads(value, served)
+                versions = _versions(served)
                 try:
                     self.pending = self.switch(served)
                 finally:
-                    # an in-place edit bumps the version counter
-                    if (served._version if type(served) is torch.Tensor else _versions(served)) != versions:
+                    if _versions(served) != versions:  # an in-place edit bumps the version counter
                         self.edited_at = provider
-                if served is not value and len(group.rows) > 1:  # (`not group.is_single`)
+                if served is not value and not group.is_single:
                     batcher.scatter_back(value, group, served)
             elif event is Event.SWAP:
                 try:
@@ -147,15 +134,23 @@ class PackedMediator(Mediator):
         return value
 
     def switch(self, *args: Any) -> Any:
-        """Resume the worker (nnsight's `Mediator.switch`, inlined: once per served value) as the engine
-        thread's interruptible running block; whatever it raises reaches the engine as an `Exception`."""
+        """Resume the worker (nnsight's `Mediator.switch`) as the engine thread's interruptible running block;
+        return its next park. Whatever it raises reaches the engine as an `Exception`."""
+        self.worker.parent = getcurrent()  # parks and finishes return here, as in nnsight
+        return self._run_block(self.worker.switch, *args)
+
+    def throw(self, error: BaseException) -> Any:
+        """Raise `error` inside the worker at the line it is parked on; return its next park."""
+        self.worker.parent = getcurrent()
+        return self._run_block(self.worker.throw, error)
+
+    def _run_block(self, resume: Any, *args: Any) -> Any:
+        """Run the block until it parks, as the engine thread's interruptible running block."""
         blocks = self.interleaver.running_blocks
-        worker = self.worker
         blocks.enter(self)
         try:
             try:
-                worker.parent = getcurrent()  # parks and finishes return here, as in nnsight
-                return worker.switch(*args)
+                return resume(*args)
             except BaseException as raised:
                 if not hasattr(raised, "__intervention_tb__"):  # the block's frames only, as nnsight keeps them
                     raised.__intervention_tb__ = raised.__traceback__
@@ -167,34 +162,6 @@ class PackedMediator(Mediator):
         except BaseException as raised:
             blocks.leave(self)  # an interrupt may have landed in the first leave(), before it took the lock
             raise BlockInterrupt(raised) from None
-
-    def _run_block(self, resume: Any, *args: Any) -> Any:
-        """Run the block until it parks, as the engine thread's interruptible running block."""
-        blocks = self.interleaver.running_blocks
-        blocks.enter(self)
-        try:
-            try:
-                return resume(*args)
-            finally:
-                blocks.leave(self)
-        except Exception:
-            raise
-        except BaseException as raised:
-            blocks.leave(self)  # an interrupt may have landed in the first leave(), before it took the lock
-            raise BlockInterrupt(raised) from None
-
-    def throw(self, error: BaseException) -> Any:
-        """Raise `error` inside the worker at the line it is parked on; return its next park."""
-        self.worker.parent = getcurrent()
-        return self._run_block(self._throw_into_worker, error)
-
-    def _throw_into_worker(self, error: BaseException) -> Any:
-        try:
-            return self.worker.throw(error)
-        except BaseException as raised:
-            if not hasattr(raised, "__intervention_tb__"):
-                raised.__intervention_tb__ = raised.__traceback__
-            raise
 
 
 def _versions(value: Any) -> int | list[int]:

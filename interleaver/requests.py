@@ -196,7 +196,6 @@ class NNsightRequestHelper:
         """Copy saved values out of the step's tensors, fail requests whose block raised or stopped."""
         if self.is_watched:  # (no block read anything of an unwatched step)
             unpin_saves(self.step_invocations, self.walked_lists)
-        if self.is_watched:
             self._account_saves()
         in_step: dict[str, Request] | None = None
         for invocation in self.step_invocations:

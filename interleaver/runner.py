@@ -68,7 +68,9 @@ class NNsightGPUModelRunner(ModelRunner):
     def load_model(self) -> None:
         super().load_model()
         self._counts_before_step: dict[str, int] = {}
-        batcher = PackedBatcher(_module_path(self.model, self.model.get_output_embeddings()))
+        head = self.model.get_output_embeddings()
+        head_path = _module_path(self.model, head)
+        batcher = PackedBatcher(head_path)
         batcher.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.interleaver = PackedInterleaver(batcher, fragments=self.value_fragments())
         self.nnsight_model = RunnerModel(self.model, interleaver=self.interleaver, envoys=self.envoy_classes())
@@ -76,9 +78,10 @@ class NNsightGPUModelRunner(ModelRunner):
             self.interleaver, SavedValueLedger.from_config(self.config.cache, self.device)
         )
         self.watched_layers = WatchedLayers(self.interleaver)
-        head = self.model.get_output_embeddings()
         self.head_rows = (
-            None if head is None else HeadRows(self.model, head, self._may_read_logits, self._is_block_call)
+            None
+            if head_path is None
+            else HeadRows(self.model, head, head_path, self._may_read_logits, self._is_block_call)
         )
 
     def value_fragments(self) -> Any:

@@ -152,22 +152,15 @@ class _Copies:
         if self._copy_new_views(items, start):
             return
         owned = True  # whether items[:index] are all plain tensors that own their memory
-        memo, views, copies = self.memo, self.views, self.copies
+        memo = self.memo
         for index in range(start, len(items)):
             item = items[index]
             if type(item) is torch.Tensor:  # the common case, without `unpin`'s dispatch
                 if item._base is None:
                     continue
-                key = id(item)
-                unpinned = memo.get(key)
+                unpinned = memo.get(id(item))
                 if unpinned is None:  # (a copy is a plain tensor that owns its memory)
-                    if item.requires_grad:
-                        unpinned = self._copy(item)
-                    else:  # `_copy`'s common case, inlined: once per saved value
-                        unpinned = torch.empty_like(item)
-                        views.append(item)
-                        copies.append(unpinned)
-                    memo[key] = unpinned
+                    unpinned = memo[id(item)] = self._copy(item)
             else:
                 unpinned = self.unpin(item)
                 if owned and not (type(unpinned) is torch.Tensor and unpinned._base is None):
@@ -194,9 +187,7 @@ class _Copies:
         if len(tail) >= MIN_CLONED_TOGETHER:
             copied = torch._foreach_clone(tail)  # each view's shape and strides, as `clone` keeps them
         else:
-            copied = list(map(torch.empty_like, tail))  # (filled with the pass's other copies)
-            self.views += tail
-            self.copies += copied
+            copied = [self._copy(view) for view in tail]  # (filled with the pass's other copies)
         memo.update(zip(ids, copied))
         items[start:] = copied
         self.lists[id(items)] = (items, items[:])  # (the copies own their memory, as the known prefix does)

@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from nnrun.call_routing import routed_class
 from nnrun.cuda_graph import DecodeGraphRunner, GraphCapturer
 
 logger = logging.getLogger(__name__)
@@ -182,11 +183,7 @@ class DecoderLayerPieces:
         for index, layer in enumerate(self.layers):
             cls = type(layer)
             if cls not in routed_classes:
-                routed_classes[cls] = type(
-                    cls.__name__,
-                    (cls,),
-                    {"__call__": _routed_call, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
-                )
+                routed_classes[cls] = routed_class(cls, _routed_call)
             layer.__class__ = routed_classes[cls]
             object.__setattr__(layer, _ROUTER_ATTR, (me, index))
 
@@ -250,11 +247,8 @@ class DecoderLayerPieces:
             loaded[id(static)] = (leaf, version)
         piece.replay()
         # Fresh copies: the next layer's replay rewrites the shared buffers.
-        if piece.out_spec is None:
-            output = plan.outputs[0]
-            return output.clone() if isinstance(output, torch.Tensor) else output
         outputs = [value.clone() if isinstance(value, torch.Tensor) else value for value in plan.outputs]
-        return tree_unflatten(outputs, piece.out_spec)
+        return outputs[0] if piece.out_spec is None else tree_unflatten(outputs, piece.out_spec)
 
     # ---- capture --------------------------------------------------------------------------
     def capture(self, capturer: GraphCapturer, batch_sizes: Sequence[int]) -> None:
