@@ -344,8 +344,9 @@ class ModelRunner(KVPoolSetup):
         heuristics at best, and ignore the KV cache at decode.
         """
         config = self.model.config
-        # First read past the config's own `__getattribute__` (a remapping lookup that costs more than the check)
-        if object.__getattribute__(config, "_attn_implementation_internal") == self.attn_implementation:
+        # First read past the config's own `__getattribute__` (a remapping lookup that costs more than the check);
+        # a config that keeps the name elsewhere gets the full check
+        if object.__getattribute__(config, "__dict__").get("_attn_implementation_internal") == self.attn_implementation:
             return
         if config._attn_implementation != self.attn_implementation:
             logger.warning(
