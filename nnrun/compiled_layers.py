@@ -70,6 +70,7 @@ class CompiledLayersCapturer:
         family: str = "model",
     ) -> None:
         self.inner = inner
+        self.captures_attention = getattr(inner, "captures_attention", True)
         self.layers = list(layers)
         self.own_forward = own_forward or plain_own_forward
         self.family = family  # named in the warning of a failed compilation

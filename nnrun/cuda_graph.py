@@ -34,13 +34,21 @@ def default_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class GraphCapturer(Protocol):
-    """Records `fn` as a graph: returns a replay function and what `fn` returned while recorded."""
+    """Records `fn` as a graph: returns a replay function and what `fn` returned while recorded.
+
+    `captures_attention`: whether the attention backend's calls are recorded inside the graph (CUDA's
+    kernels), or run eagerly at replay between recorded pieces (`traced_graph.TracedCapturer`).
+    """
+
+    captures_attention: bool
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]: ...
 
 
 class CudaGraphCapturer:
     """torch.cuda graphs sharing one memory pool (captured largest first, so smaller graphs reuse it)."""
+
+    captures_attention = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -75,8 +83,13 @@ class DecodeGraphRunner:
         backend: AttentionBackend,
         batch_sizes: Sequence[int],
         capturer: GraphCapturer,
+        capture_after: int = 0,
     ) -> None:
-        """`trash_slot`: the KV slot padding rows write to (the pool's reserved slot nothing reads)."""
+        """`trash_slot`: the KV slot padding rows write to (the pool's reserved slot nothing reads).
+
+        `capture_after`: 0 captures every size now; n captures a size at the n-th decode step that could
+        replay it (`takes`), so that sizes a run never holds for long cost nothing (the CPU's traced graphs).
+        """
         if not batch_sizes or min(batch_sizes) <= 0:
             raise ValueError(f"CUDA graph batch sizes must be positive, got {list(batch_sizes)}")
         self.model = model
@@ -89,12 +102,46 @@ class DecodeGraphRunner:
         self.out_cache_loc = torch.full((max_batch_size,), self.trash_slot, dtype=torch.int64, device=device)
         self.replays: dict[int, Callable[[], None]] = {}
         self.logits: dict[int, torch.Tensor] = {}  # per size, the [bs, V] logits its replay writes
+        self.capturer = capturer
+        self.capture_after = capture_after
+        self.steps_seen: dict[int, int] = dict.fromkeys(self.batch_sizes, 0)  # per size, steps that could replay it
+        self.refused: str | None = None  # why a lazy capture failed: no size is captured after it
         backend.init_cuda_graph_state(self.batch_sizes)
-        for batch_size in reversed(self.batch_sizes):
-            # Planning copies page tables from the host: it runs before capture, never inside it.
-            backend.init_forward_metadata_capture(batch_size, self.out_cache_loc[:batch_size])
-            self.replays[batch_size], self.logits[batch_size] = capturer.capture(self.forward_fn(batch_size))
-        logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+        if capture_after == 0:
+            for batch_size in reversed(self.batch_sizes):
+                self._capture(batch_size)
+            logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+
+    def _capture(self, batch_size: int) -> None:
+        # Rows an earlier step filled would write live requests' KV in the capture's runs: point them at the trash.
+        self.input_ids[:batch_size].zero_()
+        self.positions[:batch_size].zero_()
+        self.out_cache_loc[:batch_size].fill_(self.trash_slot)
+        # Planning copies page tables from the host: it runs before capture, never inside it.
+        self.backend.init_forward_metadata_capture(batch_size, self.out_cache_loc[:batch_size])
+        self.replays[batch_size], self.logits[batch_size] = self.capturer.capture(self.forward_fn(batch_size))
+
+    def takes(self, batch_size: int) -> bool:
+        """Whether a decode step of `batch_size` rows replays a graph; counts the step towards a lazy capture.
+
+        Asked once per decode step that could replay (nothing watches it); the size's graph is captured
+        at its `capture_after`-th such step.
+        """
+        graph_size = self.padded_batch_size(batch_size)
+        if graph_size is None:
+            return False
+        if graph_size not in self.replays:
+            self.steps_seen[graph_size] += 1
+            if self.refused is not None or self.steps_seen[graph_size] < self.capture_after:
+                return False
+            try:
+                self._capture(graph_size)
+            except Exception as error:  # the step runs eagerly, and so does every later one
+                self.refused = f"{type(error).__name__}: {error}"
+                logger.warning("decode steps run eagerly: capturing a decode graph failed (%s)", self.refused)
+                return False
+            logger.info("captured the decode graph of batch size %d", graph_size)
+        return True
 
     @property
     def max_batch_size(self) -> int:

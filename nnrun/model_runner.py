@@ -34,9 +34,19 @@ from nnrun.request import Request
 from nnrun.runner_memory import KVPoolSetup
 from nnrun.sampler import Sampler, SamplerOutput, SamplingRow
 from nnrun.sampling_params import SamplingParams
+from nnrun.traced_graph import CPU_CAPTURE_AFTER, TracedCapturer
 from nnrun.state import StatePool, state_pool_for
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GraphPlan:
+    """How a runner's decode graphs are made: by whom, when (`DecodeGraphRunner`'s `capture_after`), which sizes."""
+
+    capturer: GraphCapturer
+    capture_after: int
+    batch_sizes: list[int]
 
 
 @dataclass
@@ -174,20 +184,20 @@ class ModelRunner(KVPoolSetup):
         self.path.release_graphs()
         if not self.config.device.enable_cuda_graphs or not self.path.takes_graphs:
             return
-        if capturer is None:
-            if self.device.type != "cuda":
-                return
-            capturer = CudaGraphCapturer(self.device)
-        capturer = with_compiled_layers(capturer, self.model, self.config.device, self.own_forward)
-        if not self.attn_backend.supports_cuda_graphs:
-            logger.info(
-                "decode steps run eagerly: the %s attention backend cannot run in CUDA graphs", self.attn_backend.name
-            )
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        plan = GraphPlan(capturer, 0, default_batch_sizes(max_num_seqs)) if capturer else self.device_graphs()
+        if plan is None:
             return
-        sizes = self.config.device.cuda_graph_batch_sizes or default_batch_sizes(self.config.scheduler.max_num_seqs)
+        capturer = plan.capturer
+        capturer = with_compiled_layers(capturer, self.model, self.config.device, self.own_forward)
+        backend = self.attn_backend
+        if not (backend.supports_cuda_graphs if capturer.captures_attention else backend.plans_graph_steps):
+            logger.info("decode steps run eagerly: the %s attention backend cannot run in decode graphs", backend.name)
+            return
+        sizes = self.config.device.cuda_graph_batch_sizes or plan.batch_sizes
         with self.step_lock:
             self.path.graphs = DecodeGraphRunner(
-                self.model, self.device, self.kv_pool.trash_slot, self.attn_backend, sizes, capturer
+                self.model, self.device, self.kv_pool.trash_slot, backend, sizes, capturer, plan.capture_after
             )
             # Decided once: pieces for a runner whose steps may be watched, on one process (not tensor-parallel ranks)
             if (
@@ -196,6 +206,21 @@ class ModelRunner(KVPoolSetup):
                 and self.config.parallel.tensor_parallel_size == 1
             ):
                 self.path.pieces = capture_decoder_layer_pieces(self.model, self.path.graphs, capturer)
+
+    def device_graphs(self) -> GraphPlan | None:
+        """This device's decode graphs, or None (decode steps run eagerly).
+
+        CUDA's graphs, every size at start, batches padded to the next size. On CPU (one process: a
+        rank's collectives stay eager), traced pieces around eager attention calls (`traced_graph`),
+        each size at its `CPU_CAPTURE_AFTER`-th step and every batch its own size: a padded batch's
+        matmuls would round differently from the eager step's.
+        """
+        max_num_seqs = self.config.scheduler.max_num_seqs
+        if self.device.type == "cuda":
+            return GraphPlan(CudaGraphCapturer(self.device), 0, default_batch_sizes(max_num_seqs))
+        if self.device.type == "cpu" and self.config.parallel.tensor_parallel_size == 1:
+            return GraphPlan(TracedCapturer(self.attn_backend), CPU_CAPTURE_AFTER, list(range(1, max_num_seqs + 1)))
+        return None
 
     def own_forward(self, module: torch.nn.Module) -> Callable | None:
         """A module's own forward under the wrappers this runner installs (compiled layers call it in captures)."""
@@ -225,7 +250,12 @@ class ModelRunner(KVPoolSetup):
         return False
 
     def _replays_graph(self, forward_batch: ForwardBatch) -> bool:
-        return self._graphs_fit(forward_batch) and self.can_use_cuda_graph(forward_batch)
+        """Whether this step replays a decode graph (asked once per step: it counts towards a lazy capture)."""
+        return (
+            self._graphs_fit(forward_batch)
+            and self.can_use_cuda_graph(forward_batch)
+            and self.graph_runner.takes(forward_batch.batch_size)
+        )
 
     def _graphs_fit(self, forward_batch: ForwardBatch) -> bool:
         """Whether the captured decode graphs can serve this step's batch size and kernels (watchers aside)."""

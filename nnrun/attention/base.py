@@ -46,7 +46,14 @@ class AttentionBackend(ABC):
 
     @property
     def supports_cuda_graphs(self) -> bool:
+        """Whether this backend's kernels can be captured inside a CUDA graph."""
         return False
+
+    @property
+    def plans_graph_steps(self) -> bool:
+        """Whether this backend plans graph steps (the three methods below): its calls may run inside a
+        captured graph (`supports_cuda_graphs`) or eagerly between graph pieces (`traced_graph`)."""
+        return self.supports_cuda_graphs
 
     def init_cuda_graph_state(self, batch_sizes: Sequence[int]) -> None:
         """Allocate the fixed buffers and per-size kernels of every graph, once, before capture."""

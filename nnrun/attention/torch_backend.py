@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -30,6 +31,8 @@ class _TorchMetadata:
     # The same as additive masks over heads packed as keys, by (window, chunk, Hq, Hkv): see `_attend_heads_as_keys`
     heads_as_keys_masks: dict[tuple, torch.Tensor] = field(default_factory=dict)  # each [B or 1, Hq, L * Hkv]
     decode_batch: ForwardBatch | None = None  # the decode step, whose KV lengths a layer that needs them reads
+    # A decode graph's step (nnrun/traced_graph.py) is padded to its graph's size: the rows past these are padding
+    rows: int | None = None
     _decode_seq_lens: torch.Tensor | None = None
 
     @property
@@ -91,10 +94,40 @@ class TorchAttnBackend(AttentionBackend):
         groups = extend_groups(forward_batch, self.device)
         self.metadata = _TorchMetadata(out_cache_loc, ForwardMode.EXTEND, groups, None)
 
+    # ---- decode graphs on CPU --------------------------------------------------------------
+    # `traced_graph.TracedCapturer` replays a decode step's ops around this backend's calls, which run
+    # eagerly on each step's own plan: a graph's step is this plan padded to the graph's size.
+
+    @property
+    def plans_graph_steps(self) -> bool:
+        return True
+
+    def init_cuda_graph_state(self, batch_sizes: Sequence[int]) -> None:
+        """Nothing kept across steps: each step's plan is its own (the attention calls run eagerly)."""
+
+    def init_forward_metadata_capture(self, batch_size: int, out_cache_loc: torch.Tensor) -> None:
+        zero_slots = torch.full((batch_size, 1), self.kv_pool.zero_slot, dtype=torch.int64, device=self.device)
+        ones = torch.ones(batch_size, dtype=torch.int64, device=self.device)
+        self.metadata = _TorchMetadata(
+            out_cache_loc, ForwardMode.DECODE, [], zero_slots, zero_slots.flatten(), True, _decode_seq_lens=ones
+        )
+
+    def init_forward_metadata_replay(
+        self, batch_size: int, forward_batch: ForwardBatch, out_cache_loc: torch.Tensor
+    ) -> None:
+        self.init_forward_metadata(forward_batch)
+        self.metadata.out_cache_loc = out_cache_loc  # [batch_size]: padding rows write the trash slot
+        self.metadata.rows = forward_batch.batch_size
+
     def forward(self, layer_idx, q, k, v, terms: ScoreTerms):
         meta = self.metadata
         self.kv_pool.write(layer_idx, meta.out_cache_loc, k, v)
         if meta.mode is ForwardMode.DECODE:
+            rows = meta.rows
+            if rows is not None and rows < q.shape[0]:  # a graph's padded step: padding rows attend to nothing
+                out = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))  # [B padded, Hq, Dv]
+                out[:rows] = self._decode(layer_idx, q[:rows], terms.of_queries(lambda term: term[:rows]))
+                return out
             return self._decode(layer_idx, q, terms)
         groups = meta.extend_groups
         if len(groups) == 1 and groups[0].covers(q.shape[0]):  # one shape, in order: its output is the step's

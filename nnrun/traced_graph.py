@@ -1,0 +1,309 @@
+"""Decode graphs on CPU: a step's aten ops replayed by TorchScript's interpreter, attention left eager between them.
+
+On CPU a small decode step's time is mostly Python: HF's module calls and torch's dispatch of each op
+from Python (3-6 µs an op, a few hundred ops a step). A CUDA graph removes that cost on a GPU; a CPU
+has none. `TracedCapturer` records every aten op of one decode forward, as a CUDA graph records
+kernels, and hands each run of ops between two attention calls to `torch.jit.trace`, whose
+interpreter runs the same ATen kernels in the same order from C++ (about 1 µs an op; its
+optimisation passes off, so no op is fused or reordered and values are the eager step's, bitwise).
+Attention calls (`backend.forward`) run eagerly between the pieces, as vLLM's piecewise graphs leave
+attention out: their shapes change every step (the KV grows), and the backend plans them in Python.
+
+A replay keeps a CUDA graph's semantics: tensors the recorded code read but did not make (weights,
+the graph runner's step buffers, the KV pool) are read as they are at replay; tensors the code made
+in Python at capture (not through an op) stay frozen; reading a tensor on the host during capture
+(`.item()`, `nonzero`) refuses the capture, as it would fail a CUDA graph's. The runner decodes
+eagerly where a capture is refused (`cuda_graph.DecodeGraphRunner`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+from nnrun.attention import AttentionBackend
+
+# Ops that read a tensor on the host, or whose output's size depends on its data: a value a replay would freeze
+HOST_SYNC_OPS = frozenset(
+    {
+        torch.ops.aten._local_scalar_dense.default,  # .item(), bool(t), int(t), float(t)
+        torch.ops.aten.nonzero.default,
+        torch.ops.aten.masked_select.default,
+        torch.ops.aten.equal.default,
+        torch.ops.aten.unique_consecutive.default,
+        torch.ops.aten._unique2.default,
+    }
+)
+
+
+# A batch size's graph is captured at its 4th decode step nothing watched: a capture costs a few eager steps
+# (a warm-up, the recording, the tracing), repaid within a few dozen replays; short runs never pay it.
+CPU_CAPTURE_AFTER = 4
+
+
+class CaptureRefused(RuntimeError):
+    """The recorded forward did something a replay could not repeat (a host read, a tensor subclass)."""
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a tensor lives in a replay's environment (a list, one entry per tensor the forward touched)."""
+
+    index: int
+
+
+@dataclass
+class _Op:
+    func: Any  # an OpOverload
+    args: tuple
+    kwargs: dict
+    output: Any
+
+
+@dataclass
+class _AttentionCall:
+    layer_idx: int
+    q: torch.Tensor  # [N, Hq, D]
+    k: torch.Tensor  # [N, Hkv, D]
+    v: torch.Tensor  # [N, Hkv, Dv]
+    terms: Any  # ScoreTerms, its tensor fields mapped like the other arguments
+    output: torch.Tensor  # [N, Hq, Dv]
+
+
+class _Recorder(TorchDispatchMode):
+    """Runs every op, and keeps it with the tensors it read and made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[_Op | _AttentionCall] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(cls is not torch.Tensor and not issubclass(torch.Tensor, cls) for cls in types):
+            raise CaptureRefused(f"{func} runs on a tensor subclass ({types}), whose Python a replay would skip")
+        if func in HOST_SYNC_OPS:
+            raise CaptureRefused(f"{func} reads a tensor on the host, whose value a replay would freeze")
+        output = func(*args, **kwargs)
+        self.calls.append(_Op(func, args, kwargs, output))
+        return output
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+
+
+def _term_tensors(terms: Any) -> dict[str, torch.Tensor]:
+    """A ScoreTerms' tensor fields by name (per-query terms the forward computed, or settings it holds)."""
+    if not dataclasses.is_dataclass(terms):
+        return {}
+    fields = ((field.name, getattr(terms, field.name)) for field in dataclasses.fields(terms))
+    return {name: value for name, value in fields if isinstance(value, torch.Tensor)}
+
+
+class _Slots:
+    """Numbers every tensor the recording touched, by identity; the first numbers are the inputs it read."""
+
+    def __init__(self) -> None:
+        self.index: dict[int, int] = {}
+        self.captured: list[torch.Tensor] = []  # by slot, the tensor of the recording (examples for the tracer)
+        self.inputs: list[torch.Tensor | None] = []  # by slot, the tensor a replay reads (None: one it makes)
+
+    def read(self, tensor: torch.Tensor) -> _Slot:
+        if id(tensor) not in self.index:
+            # A parameter is read through a detached alias: the same memory, no autograd in the replay
+            self._add(tensor, tensor.detach() if tensor.requires_grad else tensor)
+        return _Slot(self.index[id(tensor)])
+
+    def make(self, tensor: torch.Tensor) -> _Slot:
+        if id(tensor) not in self.index:  # an in-place op's output is its input: that keeps its slot
+            self._add(tensor, None)
+        return _Slot(self.index[id(tensor)])
+
+    def _add(self, tensor: torch.Tensor, replayed: torch.Tensor | None) -> None:
+        self.index[id(tensor)] = len(self.captured)
+        self.captured.append(tensor)
+        self.inputs.append(replayed)
+
+    def template(self, value: Any) -> Any:
+        return tree_map(lambda leaf: self.read(leaf) if isinstance(leaf, torch.Tensor) else leaf, value)
+
+
+def _fill(template: Any, env: dict[int, torch.Tensor] | list) -> Any:
+    return tree_map(lambda leaf: env[leaf.index] if isinstance(leaf, _Slot) else leaf, template)
+
+
+@dataclass
+class _Piece:
+    """A run of ops between two attention calls, traced: reads `reads` slots, writes `writes` slots."""
+
+    run: Callable[..., tuple]
+    reads: list[int]
+    writes: list[int]
+
+    def __call__(self, env: list) -> None:
+        outputs = self.run(*[env[slot] for slot in self.reads])
+        for slot, value in zip(self.writes, outputs):
+            env[slot] = value
+
+
+@dataclass
+class _EagerAttention:
+    """One attention call, run by the backend at replay on that step's plan."""
+
+    forward: Callable[..., torch.Tensor]
+    layer_idx: int
+    q: int
+    k: int
+    v: int
+    terms: Any
+    term_slots: dict[str, int]
+    output: int
+
+    def __call__(self, env: list) -> None:
+        terms = self.terms
+        if self.term_slots:
+            terms = dataclasses.replace(terms, **{name: env[slot] for name, slot in self.term_slots.items()})
+        env[self.output] = self.forward(self.layer_idx, env[self.q], env[self.k], env[self.v], terms)
+
+
+class _Program:
+    """A recorded forward as traced pieces and eager attention calls over one environment of slots."""
+
+    def __init__(self, calls: list[_Op | _AttentionCall], output: torch.Tensor | None, forward: Callable) -> None:
+        slots = _Slots()
+        # Each call with its tensors as slots; slots of tensors read before any call made them are inputs
+        steps: list[tuple] = []
+        for call in calls:
+            if isinstance(call, _AttentionCall):
+                reads = [slots.read(tensor).index for tensor in (call.q, call.k, call.v)]
+                term_slots = {name: slots.read(tensor).index for name, tensor in _term_tensors(call.terms).items()}
+                steps.append(("attention", call, reads, term_slots, slots.make(call.output).index))
+            else:
+                args, kwargs = slots.template(call.args), slots.template(call.kwargs)
+                made = [slots.make(tensor).index for tensor in _tensors(call.output)]
+                steps.append(("op", call.func, args, kwargs, made))
+        self.output = None if output is None else slots.read(output).index
+        self.initial = slots.inputs  # [slot] -> the tensor a replay starts from (None: made during the replay)
+        self.steps: list[_Piece | _EagerAttention] = []
+        # Split at attention calls; a piece returns what later steps (or the forward's result) read
+        runs: list[list[tuple]] = [[]]
+        for step in steps:
+            if step[0] == "attention":
+                runs.append([step])
+                runs.append([])
+            else:
+                runs[-1].append(step)
+        later_reads = self._later_reads(runs)
+        for position, run in enumerate(runs):
+            if run and run[0][0] == "attention":
+                _, call, (q, k, v), term_slots, made = run[0]
+                self.steps.append(
+                    _EagerAttention(forward, call.layer_idx, q, k, v, call.terms, term_slots, made)
+                )
+            elif run:
+                self.steps.append(self._trace(run, later_reads[position], slots.captured))
+
+    def _later_reads(self, runs: list[list[tuple]]) -> list[set[int]]:
+        """For each run, the slots some later run (or the result) reads."""
+        later: list[set[int]] = []
+        seen = set() if self.output is None else {self.output}
+        for run in reversed(runs):
+            later.append(set(seen))
+            for step in run:
+                if step[0] == "attention":
+                    seen.update(step[2])
+                    seen.update(step[3].values())
+                else:
+                    seen.update(leaf.index for leaf in tree_flatten((step[2], step[3]))[0] if isinstance(leaf, _Slot))
+        return list(reversed(later))
+
+    def _trace(self, run: list[tuple], read_later: set[int], captured: list[torch.Tensor]) -> _Piece:
+        reads: list[int] = []
+        made: set[int] = set()
+        writes: list[int] = []
+        for _, _, args, kwargs, outputs in run:
+            for leaf in tree_flatten((args, kwargs))[0]:
+                if isinstance(leaf, _Slot) and leaf.index not in made and leaf.index not in reads:
+                    reads.append(leaf.index)
+            for slot in outputs:
+                if slot not in made and slot not in reads:  # an in-place op on a read tensor changes it where it is
+                    made.add(slot)
+                    if slot in read_later:
+                        writes.append(slot)
+        ops = [(func, args, kwargs, outputs) for _, func, args, kwargs, outputs in run]
+
+        def run_ops(*tensors: torch.Tensor) -> tuple:
+            env = dict(zip(reads, tensors))
+            for func, args, kwargs, outputs in ops:
+                result = func(*_fill(args, env), **_fill(kwargs, env))
+                for slot, value in zip(outputs, _tensors(result)):
+                    env[slot] = value
+            return tuple(env[slot] for slot in writes)
+
+        if not reads or not writes:  # nothing to hand the tracer (a run of factories, or of writes in place)
+            return _Piece(run_ops, reads, writes)
+        return _Piece(_traced(run_ops, [captured[slot].detach() for slot in reads]), reads, writes)
+
+    def replay(self, out: torch.Tensor | None) -> None:
+        env = list(self.initial)
+        with torch.jit.optimized_execution(False):  # no pass fuses or reorders the eager step's kernels
+            for step in self.steps:
+                step(env)
+        if out is not None:
+            out.copy_(env[self.output])
+
+
+def _traced(run_ops: Callable[..., tuple], example: list[torch.Tensor]) -> Callable[..., tuple]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TorchScript is in maintenance; its tracer warns on every use
+        with torch.jit.optimized_execution(False):
+            return torch.jit.trace(run_ops, tuple(example), check_trace=False, strict=False)
+
+
+class TracedCapturer:
+    """`GraphCapturer` for CPU: records a forward's ops, traces them between eager calls of `backend.forward`."""
+
+    captures_attention = False  # the backend's calls run eagerly at replay, planned by the backend per step
+
+    def __init__(self, backend: AttentionBackend) -> None:
+        self.backend = backend
+
+    def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
+        fn()  # the warm-up a CUDA capture runs first: lazy initialisations stay out of the recording
+        recorder = _Recorder()
+        backend = self.backend
+        forward = backend.forward
+
+        def attention_call(layer_idx, q, k, v, terms):
+            with _disable_current_modes():  # the backend's own ops run at replay as they do now: not recorded
+                output = forward(layer_idx, q, k, v, terms)
+            recorder.calls.append(_AttentionCall(layer_idx, q, k, v, terms, output))
+            return output
+
+        patched = backend.__dict__.get("forward")
+        backend.forward = attention_call
+        try:
+            with recorder, torch.no_grad():
+                output = fn()
+        finally:
+            if patched is None:
+                del backend.forward  # the class's method again
+            else:
+                backend.forward = patched
+        if output is not None and not isinstance(output, torch.Tensor):
+            raise CaptureRefused(f"a traced capture returns one tensor or None, got {type(output).__name__}")
+        with torch.no_grad():
+            program = _Program(recorder.calls, output, forward)
+        del recorder
+
+        def replay() -> None:
+            with torch.no_grad():
+                program.replay(output)
+
+        return replay, output

@@ -1,0 +1,166 @@
+"""Decode graphs on CPU (nnrun/traced_graph.py): traced pieces around eager attention, replayed by default.
+
+The oracle is the same engine with graphs off (`enable_cuda_graphs=False`): a replayed step runs the
+eager step's ATen kernels in the same order, on the same batch size, so tokens and logprobs must be
+bitwise equal. Graphs are captured lazily, at a batch size's CPU_CAPTURE_AFTER-th unwatched decode
+step; the tests below run long enough to replay most steps.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import nnrun
+from model_zoo import FAMILIES, make_model, random_prompts
+from nnrun.traced_graph import CPU_CAPTURE_AFTER, CaptureRefused, TracedCapturer
+
+MAX_TOKENS = [14, 9, 14, 6, 12]  # requests finish at different steps: the batch shrinks through several sizes
+
+
+def generate(model, graphs: bool, params: list[nnrun.SamplingParams], prompts, **engine) -> tuple[list, nnrun.LLM]:
+    llm = nnrun.LLM(model, enable_cuda_graphs=graphs, max_num_seqs=8, **engine)
+    outputs = llm.generate(prompts, params)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], llm
+
+
+def greedy(max_tokens: int) -> nnrun.SamplingParams:
+    return nnrun.SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=2, ignore_eos=True)
+
+
+def replay_counter(llm: nnrun.LLM) -> dict:
+    """Counts the decode steps that replayed a graph."""
+    graphs, counts = llm.runner.graph_runner, {"replays": 0}
+    replay = graphs.replay
+
+    def counting(forward_batch):
+        counts["replays"] += 1
+        return replay(forward_batch)
+
+    graphs.replay = counting
+    return counts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replayed_decode_steps_give_the_eager_steps_tokens_and_logprobs_bitwise(family):
+    model = make_model(family)
+    prompts = random_prompts([5, 11, 3, 8, 2])
+    params = [greedy(n) for n in MAX_TOKENS]
+    eager, _ = generate(model, False, params, prompts)
+    llm = nnrun.LLM(model, max_num_seqs=8)
+    counts = replay_counter(llm)
+    outputs = llm.generate(prompts, params)
+    replayed = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+    graphs = llm.runner.graph_runner
+    assert graphs is not None and graphs.refused is None, f"{family}: {graphs and graphs.refused}"
+    assert replayed == eager, f"{family}: a replayed decode step differs from the eager one"
+    # Every size the batch held for more than CPU_CAPTURE_AFTER steps was captured and then replayed
+    assert 5 in graphs.replays and counts["replays"] >= MAX_TOKENS[3] - CPU_CAPTURE_AFTER, family
+
+
+def test_sampled_generation_with_seeds_is_the_eager_one():
+    model = make_model("llama")
+    prompts = random_prompts([4, 7, 3])
+    params = [nnrun.SamplingParams(max_tokens=16, temperature=0.9, top_k=20, seed=s, logprobs=1) for s in (1, 2, 3)]
+    assert generate(model, True, params, prompts)[0] == generate(model, False, params, prompts)[0]
+
+
+def test_a_hook_added_after_capture_fires_on_every_step_that_follows():
+    """A replay runs no Python: a step with a module hook runs eagerly, and its values are still the graph's."""
+    model = make_model("llama")
+    prompts = random_prompts([5, 6])
+    eager, _ = generate(model, False, [greedy(20)] * 2, prompts)
+    llm = nnrun.LLM(model, max_num_seqs=8)
+    first = llm.generate(prompts, [greedy(20)] * 2)
+    assert 2 in llm.runner.graph_runner.replays  # captured while nothing watched
+    calls = []
+    handle = model.model.layers[1].register_forward_hook(lambda module, args, output: calls.append(1))
+    try:
+        second = llm.generate(prompts, [greedy(20)] * 2)
+    finally:
+        handle.remove()
+    assert len(calls) == 20  # the prefill and all 19 decode steps ran the layer eagerly
+    for outputs in (first, second):
+        assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs] == eager
+
+
+def test_a_forward_that_reads_a_tensor_on_the_host_decodes_eagerly_and_says_why(caplog):
+    """A replay would freeze a value read on the host: the capture is refused, and steps stay eager and right."""
+    model = make_model("llama")
+    norm = model.model.norm
+    plain_forward = norm.forward
+
+    def forward_reading_the_host(hidden):
+        if float(hidden.abs().max()) < 0:  # never true: only the read matters
+            raise AssertionError
+        return plain_forward(hidden)
+
+    norm.forward = forward_reading_the_host
+    prompts = random_prompts([5, 6])
+    eager, _ = generate(model, False, [greedy(12)] * 2, prompts)
+    with caplog.at_level(logging.WARNING, logger="nnrun.cuda_graph"):
+        replayed, llm = generate(model, True, [greedy(12)] * 2, prompts)
+    assert replayed == eager
+    graphs = llm.runner.graph_runner
+    assert not graphs.replays and "_local_scalar_dense" in graphs.refused
+    assert "capturing a decode graph failed" in caplog.text
+
+
+def test_graphs_off_decode_eagerly():
+    llm = nnrun.LLM(make_model("llama"), enable_cuda_graphs=False)
+    llm.generate(random_prompts([5]), greedy(12))
+    assert llm.runner.graph_runner is None
+
+
+class _EagerCalls:
+    """A stand-in attention backend: `forward` is what `TracedCapturer` leaves eager."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def forward(self, layer_idx, q, k, v, terms):
+        self.calls += 1
+        return q * k.sum() + v  # [N, H, D]
+
+
+def test_a_traced_capture_replays_the_ops_on_the_tensors_read_and_runs_the_eager_calls_between():
+    backend = _EagerCalls()
+    weight = torch.nn.Parameter(torch.randn(4, 4))
+    step_input = torch.randn(3, 4)  # a static buffer: its new contents are read at replay
+    written = torch.zeros(3, 4)  # written in place by the captured code
+    frozen = torch.tensor([2.0])  # made in Python at capture (not by an op): frozen, as in a CUDA graph
+
+    def forward():
+        h = step_input @ weight  # [3, 4]
+        q = h.view(3, 2, 2)
+        out = backend.forward(0, q, q + 1, q * 2, None).reshape(3, 4)
+        written.copy_(out)
+        return torch.relu(out) * frozen
+
+    def expected():
+        h = step_input @ weight
+        q = h.view(3, 2, 2)
+        out = (q * (q + 1).sum() + q * 2).reshape(3, 4)
+        return out, torch.relu(out) * 2.0
+
+    replay, output = TracedCapturer(backend).capture(forward)
+    assert backend.calls == 2  # the warm-up and the recording
+    for _ in range(3):
+        step_input.copy_(torch.randn(3, 4))
+        with torch.no_grad():
+            weight.mul_(1.5)  # edited in place: the replay reads the same memory
+        replay()
+        out, result = expected()
+        assert torch.equal(written, out) and torch.equal(output, result)
+    assert backend.calls == 5 and "forward" not in vars(backend)  # each replay called it once; unpatched after
+
+
+def test_a_traced_capture_refuses_a_host_read():
+    def forward():
+        x = torch.randn(3)
+        return x * int(x.argmax())
+
+    with pytest.raises(CaptureRefused, match="_local_scalar_dense"):
+        TracedCapturer(_EagerCalls()).capture(forward)
