@@ -177,9 +177,9 @@ class ModelRunner(KVPoolSetup):
         return self._torch_backend
 
     def init_cuda_graphs(self, capturer: GraphCapturer | None = None) -> None:
-        """Capture decode graphs on CUDA when the backend can run in them and they are not disabled.
+        """Decode graphs where the device has them (`device_graphs`), unless disabled or the path takes none.
 
-        `capturer` stands in for CUDA's graph capture (the CPU tests pass a recording one).
+        `capturer` stands in for CUDA's graph capture (the CPU tests pass a recording one): every size now.
         """
         self.path.release_graphs()
         if not self.config.device.enable_cuda_graphs or not self.path.takes_graphs:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from nnrun.attention import AttentionBackend
@@ -33,6 +34,7 @@ from nnrun.attention import AttentionBackend
 HOST_SYNC_OPS = frozenset(
     {
         torch.ops.aten._local_scalar_dense.default,  # .item(), bool(t), int(t), float(t)
+        torch.ops.aten.item.default,  # the same, in inference mode
         torch.ops.aten.nonzero.default,
         torch.ops.aten.masked_select.default,
         torch.ops.aten.equal.default,
@@ -45,6 +47,10 @@ HOST_SYNC_OPS = frozenset(
 # A batch size's graph is captured at its 4th decode step nothing watched: a capture costs a few eager steps
 # (a warm-up, the recording, the tracing), repaid within a few dozen replays; short runs never pay it.
 CPU_CAPTURE_AFTER = 4
+
+
+# Tensor methods that read values on the host without an op a dispatch mode would see (a CPU tensor's memory)
+HOST_READS = frozenset({"tolist", "numpy", "item", "__bool__", "__int__", "__float__", "__index__", "__complex__"})
 
 
 class CaptureRefused(RuntimeError):
@@ -77,14 +83,17 @@ class _AttentionCall:
 
 
 class _Recorder(TorchDispatchMode):
-    """Runs every op, and keeps it with the tensors it read and made."""
+    """Runs every op, and keeps it with the tensors it read and made; `paused` while an attention call runs."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[_Op | _AttentionCall] = []
+        self.paused = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         if any(cls is not torch.Tensor and not issubclass(torch.Tensor, cls) for cls in types):
             raise CaptureRefused(f"{func} runs on a tensor subclass ({types}), whose Python a replay would skip")
         if func in HOST_SYNC_OPS:
@@ -92,6 +101,19 @@ class _Recorder(TorchDispatchMode):
         output = func(*args, **kwargs)
         self.calls.append(_Op(func, args, kwargs, output))
         return output
+
+
+class _HostReads(TorchFunctionMode):
+    """Refuses the host reads that reach no op on CPU (`tolist`, `numpy`, a tensor as a Python number)."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.recorder.paused and getattr(func, "__name__", None) in HOST_READS:
+            raise CaptureRefused(f"Tensor.{func.__name__} reads a tensor on the host, whose value a replay would freeze")
+        return func(*args, **(kwargs or {}))
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -275,21 +297,25 @@ class TracedCapturer:
         self.backend = backend
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
-        fn()  # the warm-up a CUDA capture runs first: lazy initialisations stay out of the recording
+        with torch.inference_mode():
+            fn()  # the warm-up a CUDA capture runs first: lazy initialisations stay out of the recording
         recorder = _Recorder()
         backend = self.backend
         forward = backend.forward
 
         def attention_call(layer_idx, q, k, v, terms):
-            with _disable_current_modes():  # the backend's own ops run at replay as they do now: not recorded
+            recorder.paused = True  # the backend's own ops run at replay as they do now: not recorded
+            try:
                 output = forward(layer_idx, q, k, v, terms)
+            finally:
+                recorder.paused = False
             recorder.calls.append(_AttentionCall(layer_idx, q, k, v, terms, output))
             return output
 
         patched = backend.__dict__.get("forward")
         backend.forward = attention_call
         try:
-            with recorder, torch.no_grad():
+            with recorder, _HostReads(recorder), torch.inference_mode():
                 output = fn()
         finally:
             if patched is None:
@@ -298,12 +324,12 @@ class TracedCapturer:
                 backend.forward = patched
         if output is not None and not isinstance(output, torch.Tensor):
             raise CaptureRefused(f"a traced capture returns one tensor or None, got {type(output).__name__}")
-        with torch.no_grad():
+        with torch.inference_mode():
             program = _Program(recorder.calls, output, forward)
         del recorder
 
         def replay() -> None:
-            with torch.no_grad():
+            with torch.inference_mode():  # as an eager step nothing watches (`ModelRunner.grad_context`)
                 program.replay(output)
 
         return replay, output

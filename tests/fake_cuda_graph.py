@@ -120,6 +120,8 @@ def _stream_capturing() -> Iterator[None]:
 class RecordingCapturer:
     """`GraphCapturer` for CPU tests; `captures` counts the graphs recorded."""
 
+    captures_attention = True  # as CUDA's: the attention kernels are recorded with the rest
+
     def __init__(self) -> None:
         self.captures = 0
         self.replays = 0

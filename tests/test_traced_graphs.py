@@ -104,7 +104,7 @@ def test_a_forward_that_reads_a_tensor_on_the_host_decodes_eagerly_and_says_why(
         replayed, llm = generate(model, True, [greedy(12)] * 2, prompts)
     assert replayed == eager
     graphs = llm.runner.graph_runner
-    assert not graphs.replays and "_local_scalar_dense" in graphs.refused
+    assert not graphs.replays and "__float__ reads a tensor on the host" in graphs.refused
     assert "capturing a decode graph failed" in caplog.text
 
 
@@ -157,10 +157,27 @@ def test_a_traced_capture_replays_the_ops_on_the_tensors_read_and_runs_the_eager
     assert backend.calls == 5 and "forward" not in vars(backend)  # each replay called it once; unpatched after
 
 
-def test_a_traced_capture_refuses_a_host_read():
+@pytest.mark.parametrize(
+    "read", [lambda x: int(x.argmax()), lambda x: x.max().item(), lambda x: x.tolist()[0], lambda x: x.numpy()[0]]
+)
+def test_a_traced_capture_refuses_a_host_read(read):
     def forward():
         x = torch.randn(3)
-        return x * int(x.argmax())
+        return x * read(x)
 
-    with pytest.raises(CaptureRefused, match="_local_scalar_dense"):
+    with pytest.raises(CaptureRefused, match="reads a tensor on the host"):
         TracedCapturer(_EagerCalls()).capture(forward)
+
+
+def test_a_host_read_inside_an_attention_call_is_the_backends_own():
+    """The backend plans in Python each step: its calls run eagerly at replay, so they may read the host."""
+
+    class ReadingBackend(_EagerCalls):
+        def forward(self, layer_idx, q, k, v, terms):
+            return q * float(k.abs().max())
+
+    x = torch.randn(2, 2)
+    replay, output = TracedCapturer(backend := ReadingBackend()).capture(lambda: backend.forward(0, x + 1, x, x, None))
+    x.copy_(torch.randn(2, 2))
+    replay()
+    assert torch.equal(output, (x + 1) * float(x.abs().max()))
