@@ -65,6 +65,10 @@ class NNsightGPUModelRunner(ModelRunner):
             return None if "_hf_hook" in module.__dict__ else forward.state.original
         return super().own_forward(module)
 
+    def unwatched(self) -> AbstractContextManager:
+        """nnsight's controllers inert, as outside a trace: what runs inside serves no block."""
+        return _NotInterleaving(self.interleaver)
+
     def load_model(self) -> None:
         super().load_model()
         self._counts_before_step: dict[str, int] = {}
@@ -344,3 +348,19 @@ def _module_path(model: torch.nn.Module, module: torch.nn.Module | None) -> str 
         if candidate is module:
             return f"model.{name}" if name else "model"
     return None
+
+
+class _NotInterleaving:
+    """The interleaver set aside for a while (a lazy graph capture inside a step), then as it was."""
+
+    __slots__ = ("interleaver", "was")
+
+    def __init__(self, interleaver: PackedInterleaver) -> None:
+        self.interleaver = interleaver
+
+    def __enter__(self) -> None:
+        self.was = self.interleaver.interleaving
+        self.interleaver.interleaving = False
+
+    def __exit__(self, *exc: object) -> None:
+        self.interleaver.interleaving = self.was

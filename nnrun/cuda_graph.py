@@ -113,13 +113,17 @@ class DecodeGraphRunner:
             logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
 
     def _capture(self, batch_size: int) -> None:
+        self.prepare_capture(batch_size)
+        self.replays[batch_size], self.logits[batch_size] = self.capturer.capture(self.forward_fn(batch_size))
+
+    def prepare_capture(self, batch_size: int) -> None:
+        """Load and plan a step of `batch_size` padding rows, which a capture's runs (`forward_fn`) decode."""
         # Rows an earlier step filled would write live requests' KV in the capture's runs: point them at the trash.
         self.input_ids[:batch_size].zero_()
         self.positions[:batch_size].zero_()
         self.out_cache_loc[:batch_size].fill_(self.trash_slot)
         # Planning copies page tables from the host: it runs before capture, never inside it.
         self.backend.init_forward_metadata_capture(batch_size, self.out_cache_loc[:batch_size])
-        self.replays[batch_size], self.logits[batch_size] = self.capturer.capture(self.forward_fn(batch_size))
 
     def takes(self, batch_size: int) -> bool:
         """Whether a decode step of `batch_size` rows replays a graph; counts the step towards a lazy capture.

@@ -174,6 +174,9 @@ class DecoderLayerPieces:
         self._buffers: dict[int, dict[tuple, torch.Tensor]] = {}  # batch size -> key -> static shared by layers
         self._capturing: tuple[int, GraphCapturer] | None = None
         self._step: _Step | None = None
+        self.capturer: GraphCapturer | None = None  # the lazy captures' (`takes`)
+        self.steps_seen: dict[int, int] = {}  # per size not yet captured, the watched steps that asked for it
+        self.refused: str | None = None  # why a lazy capture failed: no size is captured after it
         self._route()
 
     # ---- routing --------------------------------------------------------------------------
@@ -253,10 +256,10 @@ class DecoderLayerPieces:
     # ---- capture --------------------------------------------------------------------------
     def capture(self, capturer: GraphCapturer, batch_sizes: Sequence[int]) -> None:
         """Capture every decoder layer for each batch size (largest first), running the model's own forward."""
-        backend, graphs = self.graphs.backend, self.graphs
+        graphs = self.graphs
         for batch_size in sorted(batch_sizes, reverse=True):
             self.pieces[batch_size] = {}
-            backend.init_forward_metadata_capture(batch_size, graphs.out_cache_loc[:batch_size])
+            graphs.prepare_capture(batch_size)
             self._capturing = (batch_size, capturer)
             try:
                 graphs.forward_fn(batch_size)()
@@ -266,6 +269,28 @@ class DecoderLayerPieces:
             if missing:
                 raise RuntimeError(f"{missing} decoder layers were not called by a decode forward")
         logger.info("captured %d decoder-layer decode graphs per batch size %s", len(self.layers), list(batch_sizes))
+
+    def takes(self, batch_size: int) -> bool:
+        """Whether a watched decode step of `batch_size` rows runs in pieces; counts it towards a lazy capture.
+
+        With lazy whole-step graphs (`DecodeGraphRunner.capture_after`), a size's pieces are captured at
+        its `capture_after`-th watched step, by the capturer `capture_decoder_layer_pieces` was given.
+        """
+        graph_size = self.graphs.padded_batch_size(batch_size)
+        if graph_size is None:
+            return False
+        if graph_size not in self.pieces:
+            self.steps_seen[graph_size] = self.steps_seen.get(graph_size, 0) + 1
+            if self.refused is not None or self.steps_seen[graph_size] < self.graphs.capture_after:
+                return False
+            try:
+                self.capture(self.capturer, [graph_size])
+            except Exception as error:  # this step and every later one run their layers eagerly
+                self.pieces.pop(graph_size, None)
+                self.refused = f"{type(error).__name__}: {error}"
+                logger.warning("watched decode steps run eagerly: capturing decoder-layer graphs failed (%s)", self.refused)
+                return False
+        return True
 
     def _capture_layer(self, eager: Callable, index: int, args: tuple, kwargs: dict) -> Any:
         batch_size, capturer = self._capturing
@@ -431,6 +456,9 @@ def capture_decoder_layer_pieces(
         logger.info("no decoder-layer graphs: no list of decoder layers found")
         return None
     pieces = DecoderLayerPieces(layers, graphs)
+    pieces.capturer = capturer
+    if graphs.capture_after:  # each size at its capture_after-th watched step (`takes`)
+        return pieces
     try:
         pieces.capture(capturer, graphs.batch_sizes)
     except Exception as error:  # a layer that cannot run in a graph: watched steps stay eager

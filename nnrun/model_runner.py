@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -42,11 +42,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class GraphPlan:
-    """How a runner's decode graphs are made: by whom, when (`DecodeGraphRunner`'s `capture_after`), which sizes."""
+    """How a runner's decode graphs are made: by whom, when (`DecodeGraphRunner`'s `capture_after`), which sizes,
+    and whether decoder-layer pieces come with them (`graph_pieces`)."""
 
     capturer: GraphCapturer
     capture_after: int
     batch_sizes: list[int]
+    pieces: bool
 
 
 @dataclass
@@ -184,8 +186,12 @@ class ModelRunner(KVPoolSetup):
         self.path.release_graphs()
         if not self.config.device.enable_cuda_graphs or not self.path.takes_graphs:
             return
-        max_num_seqs = self.config.scheduler.max_num_seqs
-        plan = GraphPlan(capturer, 0, default_batch_sizes(max_num_seqs)) if capturer else self.device_graphs()
+        device = self.config.device
+        if capturer is not None:
+            sizes = default_batch_sizes(self.config.scheduler.max_num_seqs)
+            plan = GraphPlan(capturer, 0, sizes, device.graph_pieces_on(self.device))
+        else:
+            plan = self.device_graphs()
         if plan is None:
             return
         capturer = plan.capturer
@@ -200,11 +206,7 @@ class ModelRunner(KVPoolSetup):
                 self.model, self.device, self.kv_pool.trash_slot, backend, sizes, capturer, plan.capture_after
             )
             # Decided once: pieces for a runner whose steps may be watched, on one process (not tensor-parallel ranks)
-            if (
-                self.captures_graph_pieces
-                and self.config.device.graph_pieces_on(self.device)
-                and self.config.parallel.tensor_parallel_size == 1
-            ):
+            if self.captures_graph_pieces and plan.pieces and self.config.parallel.tensor_parallel_size == 1:
                 self.path.pieces = capture_decoder_layer_pieces(self.model, self.path.graphs, capturer)
 
     def device_graphs(self) -> GraphPlan | None:
@@ -215,11 +217,14 @@ class ModelRunner(KVPoolSetup):
         each size at its `CPU_CAPTURE_AFTER`-th step and every batch its own size: a padded batch's
         matmuls would round differently from the eager step's.
         """
-        max_num_seqs = self.config.scheduler.max_num_seqs
+        max_num_seqs, device = self.config.scheduler.max_num_seqs, self.config.device
         if self.device.type == "cuda":
-            return GraphPlan(CudaGraphCapturer(self.device), 0, default_batch_sizes(max_num_seqs))
+            sizes = default_batch_sizes(max_num_seqs)
+            return GraphPlan(CudaGraphCapturer(self.device), 0, sizes, device.graph_pieces_on(self.device))
         if self.device.type == "cpu" and self.config.parallel.tensor_parallel_size == 1:
-            return GraphPlan(TracedCapturer(self.attn_backend), CPU_CAPTURE_AFTER, list(range(1, max_num_seqs + 1)))
+            sizes = list(range(1, max_num_seqs + 1))
+            pieces = device.cuda_graph_pieces is not False  # each size's pieces captured lazily too
+            return GraphPlan(TracedCapturer(self.attn_backend), CPU_CAPTURE_AFTER, sizes, pieces)
         return None
 
     def own_forward(self, module: torch.nn.Module) -> Callable | None:
@@ -251,11 +256,14 @@ class ModelRunner(KVPoolSetup):
 
     def _replays_graph(self, forward_batch: ForwardBatch) -> bool:
         """Whether this step replays a decode graph (asked once per step: it counts towards a lazy capture)."""
-        return (
-            self._graphs_fit(forward_batch)
-            and self.can_use_cuda_graph(forward_batch)
-            and self.graph_runner.takes(forward_batch.batch_size)
-        )
+        if not (self._graphs_fit(forward_batch) and self.can_use_cuda_graph(forward_batch)):
+            return False
+        with self.unwatched():
+            return self.graph_runner.takes(forward_batch.batch_size)
+
+    def unwatched(self) -> AbstractContextManager:
+        """A seam: module calls inside serve no block (a lazy capture's runs, in the middle of a step)."""
+        return nullcontext()
 
     def _graphs_fit(self, forward_batch: ForwardBatch) -> bool:
         """Whether the captured decode graphs can serve this step's batch size and kernels (watchers aside)."""
@@ -278,7 +286,11 @@ class ModelRunner(KVPoolSetup):
             or not ModelRunner.can_use_cuda_graph(self, forward_batch)
         ):
             return None
-        return self.piece_gate(forward_batch)
+        gate = self.piece_gate(forward_batch)
+        if gate is None:
+            return None
+        with self.unwatched():
+            return gate if self.graph_pieces.takes(forward_batch.batch_size) else None
 
     def piece_gate(self, forward_batch: ForwardBatch) -> PieceGate | None:
         """A seam: which decoder layers of a watched decode step run eagerly (None: the whole step does)."""

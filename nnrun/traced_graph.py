@@ -327,9 +327,12 @@ class TracedCapturer:
         with torch.inference_mode():
             program = _Program(recorder.calls, output, forward)
         del recorder
+        # What replays write: an ordinary tensor (not an inference one), which callers may read as any other
+        static = None if output is None else torch.empty_like(output)
 
         def replay() -> None:
             with torch.inference_mode():  # as an eager step nothing watches (`ModelRunner.grad_context`)
-                program.replay(output)
+                program.replay(static)
 
-        return replay, output
+        replay()  # the first replay, with the tracer's first runs, in the capture's time
+        return replay, static

@@ -146,7 +146,7 @@ def test_a_traced_capture_replays_the_ops_on_the_tensors_read_and_runs_the_eager
         return out, torch.relu(out) * 2.0
 
     replay, output = TracedCapturer(backend).capture(forward)
-    assert backend.calls == 2  # the warm-up and the recording
+    assert backend.calls == 3  # the warm-up, the recording and a first replay
     for _ in range(3):
         step_input.copy_(torch.randn(3, 4))
         with torch.no_grad():
@@ -154,7 +154,7 @@ def test_a_traced_capture_replays_the_ops_on_the_tensors_read_and_runs_the_eager
         replay()
         out, result = expected()
         assert torch.equal(written, out) and torch.equal(output, result)
-    assert backend.calls == 5 and "forward" not in vars(backend)  # each replay called it once; unpatched after
+    assert backend.calls == 6 and "forward" not in vars(backend)  # each replay called it once; unpatched after
 
 
 @pytest.mark.parametrize(
@@ -181,3 +181,42 @@ def test_a_host_read_inside_an_attention_call_is_the_backends_own():
     x.copy_(torch.randn(2, 2))
     replay()
     assert torch.equal(output, (x + 1) * float(x.abs().max()))
+
+
+def test_watched_steps_replay_the_layers_no_block_waits_in_with_the_eager_values():
+    """Decoder-layer pieces on CPU: a block reads layer 1 and steers layer 2 every step; the other layers
+    replay their traced pieces once their size is captured, and every value equals the all-eager run's."""
+    from conformance.models import tiny_llama, tiny_tokenizer, twin
+
+    model = tiny_llama(seed=4, num_layers=4)
+    vector = torch.linspace(-2.0, 2.0, model.config.hidden_size)
+
+    def scenario(lm):
+        with lm.generate(max_new_tokens=14) as tracer:
+            read = list().save()
+            with tracer.invoke("the eiffel tower is in the city of"):
+                for _ in tracer.all():
+                    read.append(lm.model.layers[1].output[0, -1].clone())
+                    lm.model.layers[2].output[:] += vector
+            with tracer.invoke("hello world"):
+                pass
+            with tracer.invoke():
+                ids = tracer.result.save()
+        return torch.stack(list(read)), ids
+
+    eager = nnrun.LanguageModel(twin(model), tokenizer=tiny_tokenizer(), enable_cuda_graphs=False)
+    ours = nnrun.LanguageModel(model, tokenizer=tiny_tokenizer())
+    try:
+        replayed = []
+        gate = ours.engine.runner.watched_layers
+        replayed_one = gate.replayed
+        gate.replayed = lambda index: (replayed.append(index), replayed_one(index))
+        expected, got = scenario(eager), scenario(ours)
+        pieces = ours.engine.runner.graph_pieces
+    finally:
+        eager.shutdown()
+        ours.shutdown()
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert pieces is not None and pieces.refused is None and 2 in pieces.pieces
+    # 13 decode steps of 2 rows: captured at the 4th, then layers 0, 1 (at its output) and 3 replay, 2 (edited) too
+    assert {0, 1, 3} <= set(replayed) and replayed.count(0) >= 13 - CPU_CAPTURE_AFTER, replayed
