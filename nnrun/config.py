@@ -116,10 +116,13 @@ class DeviceConfig:
     device: str = "cpu"
     dtype: str | torch.dtype | None = None
     attention_backend: str = "auto"  # "auto", "torch" or "flashinfer"
-    enable_cuda_graphs: bool = True  # decode steps with no hooks or interventions replay CUDA graphs
+    # Decode steps with no hooks or interventions replay decode graphs: CUDA graphs, or on CPU traced pieces around
+    # eager attention (nnrun/traced_graph.py, each batch size captured at its 4th such step)
+    enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 32, ... up to max_num_seqs (256 at most)
     # Decode steps that blocks watch replay per-layer graphs around the watched layers (`graph_pieces.py`);
-    # off, such steps run eagerly. None: on where graphs are captured on CUDA (checked on an H200, docs/gpu.md).
+    # off, such steps run eagerly. None: on with the device's own graphs (CUDA: checked on an H200, docs/gpu.md;
+    # CPU: traced), off with a capturer a test passes unless asked.
     cuda_graph_pieces: bool | None = None
     # The captured decode graphs run the decoder layers torch.compile'd (inductor fuses HF's elementwise ops);
     # eager steps keep HF's modules (nnrun/compiled_layers.py). Off: compiling costs start-up time.

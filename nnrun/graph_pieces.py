@@ -288,7 +288,9 @@ class DecoderLayerPieces:
             except Exception as error:  # this step and every later one run their layers eagerly
                 self.pieces.pop(graph_size, None)
                 self.refused = f"{type(error).__name__}: {error}"
-                logger.warning("watched decode steps run eagerly: capturing decoder-layer graphs failed (%s)", self.refused)
+                logger.warning(
+                    "watched decode steps run eagerly: capturing decoder-layer graphs failed (%s)", self.refused
+                )
                 return False
         return True
 

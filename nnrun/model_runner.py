@@ -34,8 +34,8 @@ from nnrun.request import Request
 from nnrun.runner_memory import KVPoolSetup
 from nnrun.sampler import Sampler, SamplerOutput, SamplingRow
 from nnrun.sampling_params import SamplingParams
-from nnrun.traced_graph import CPU_CAPTURE_AFTER, TracedCapturer
 from nnrun.state import StatePool, state_pool_for
+from nnrun.traced_graph import CPU_CAPTURE_AFTER, TracedCapturer
 
 logger = logging.getLogger(__name__)
 

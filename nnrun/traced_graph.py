@@ -112,7 +112,9 @@ class _HostReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if not self.recorder.paused and getattr(func, "__name__", None) in HOST_READS:
-            raise CaptureRefused(f"Tensor.{func.__name__} reads a tensor on the host, whose value a replay would freeze")
+            raise CaptureRefused(
+                f"Tensor.{func.__name__} reads a tensor on the host, whose value a replay would freeze"
+            )
         return func(*args, **(kwargs or {}))
 
 
@@ -225,9 +227,7 @@ class _Program:
         for position, run in enumerate(runs):
             if run and run[0][0] == "attention":
                 _, call, (q, k, v), term_slots, made = run[0]
-                self.steps.append(
-                    _EagerAttention(forward, call.layer_idx, q, k, v, call.terms, term_slots, made)
-                )
+                self.steps.append(_EagerAttention(forward, call.layer_idx, q, k, v, call.terms, term_slots, made))
             elif run:
                 self.steps.append(self._trace(run, later_reads[position], slots.captured))
 
@@ -326,7 +326,7 @@ class TracedCapturer:
             raise CaptureRefused(f"a traced capture returns one tensor or None, got {type(output).__name__}")
         with torch.inference_mode():
             program = _Program(recorder.calls, output, forward)
-        del recorder
+        recorder.calls = []  # the recording's tensors: only the program's inputs stay
         # What replays write: an ordinary tensor (not an inference one), which callers may read as any other
         static = None if output is None else torch.empty_like(output)
 
