@@ -317,3 +317,30 @@ def test_on_cuda_values_past_the_device_budget_are_pinned_host_copies_equal_to_d
     finally:
         spilling.shutdown()
         roomy.shutdown()
+
+
+def _held_bytes(values: list) -> int:
+    """The bytes the saved tensors hold, by hand: each distinct tensor's elements times their size."""
+    distinct = {id(t): t for t in values if isinstance(t, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in distinct.values())
+
+
+def test_a_value_deleted_below_a_lists_end_leaves_the_next_values_counted():
+    """`del saved[i]` below the end the last pass reached, then new values appended: every value still held is
+    counted (the ledger does not take the list's length for how much of it it has seen)."""
+    ledger = save_spill.SavedValueLedger(SaveBudget(max_device_bytes=1 << 20, max_host_bytes=1 << 20))
+    job = SimpleNamespace(invocations=[], client_saves=[[]])
+    saved = job.client_saves[0]
+    saved.extend(torch.zeros(4) for _ in range(3))  # 16 bytes each
+    ledger.account([job])
+    assert ledger.budget.device_bytes == _held_bytes(saved) == 48
+    del saved[0]  # it dies: uncounted at the next pass
+    saved.append(torch.zeros(8))  # 32 bytes, at the position the last pass reached
+    ledger.account([job])
+    assert ledger.budget.device_bytes == _held_bytes(saved) == 64
+    saved[1] = torch.zeros(2)  # a value replaced in place below the end (the old one dies)
+    saved.append(torch.zeros(4))
+    ledger.account([job])
+    assert ledger.budget.device_bytes == _held_bytes(saved) == 16 + 8 + 32 + 16
+    ledger.release(job)
+    assert ledger.budget.num_traces == 0
