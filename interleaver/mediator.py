@@ -136,8 +136,10 @@ class PackedMediator(Mediator):
     def switch(self, *args: Any) -> Any:
         """Resume the worker (nnsight's `Mediator.switch`) as the engine thread's interruptible running block;
         return its next park. Whatever it raises reaches the engine as an `Exception`."""
-        self.worker.parent = getcurrent()  # parks and finishes return here, as in nnsight
-        return self._run_block(self.worker.switch, *args)
+        worker, current = self.worker, getcurrent()
+        if worker.parent is not current:  # parks and finishes return here, as in nnsight (setting it costs a check)
+            worker.parent = current
+        return self._run_block(worker.switch, *args)
 
     def throw(self, error: BaseException) -> Any:
         """Raise `error` inside the worker at the line it is parked on; return its next park."""

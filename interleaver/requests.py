@@ -34,7 +34,7 @@ from interleaver.jobs import Invocation, TraceJob, pad_sequences
 from interleaver.mediator import PackedInterleaver, PackedMediator, as_block_error
 from interleaver.nnsight_private import saved_value_ids, tracing_thread_state
 from interleaver.save_spill import SavedValueLedger
-from interleaver.saved_copies import Walked, unpin_block_saves, unpin_client_saves, unpin_saves
+from interleaver.saved_copies import unpin_block_saves, unpin_client_saves
 from nnrun.forward_batch import ForwardBatch
 from nnrun.request import Request
 from nnrun.save_budget import SaveBudget
@@ -58,7 +58,6 @@ class NNsightRequestHelper:
         # none does, the step runs as an untraced one (graph replay included), with no handoff at all.
         self.is_watched = False
         self._grad_of_batch: tuple[ForwardBatch, bool] | None = None  # the last step's `needs_grad`
-        self.walked_lists: dict[int, Walked] = {}  # id(job) -> how far its saved lists hold copies (saved_copies)
 
     @property
     def has_requests(self) -> bool:
@@ -195,8 +194,7 @@ class NNsightRequestHelper:
     def end_step(self, forward_batch: ForwardBatch) -> None:
         """Copy saved values out of the step's tensors, fail requests whose block raised or stopped."""
         if self.is_watched:  # (no block read anything of an unwatched step)
-            unpin_saves(self.step_invocations, self.walked_lists)
-            self._account_saves()
+            self._copy_and_account_saves()
         in_step: dict[str, Request] | None = None
         for invocation in self.step_invocations:
             error = invocation.mediator.exception
@@ -212,11 +210,10 @@ class NNsightRequestHelper:
         self.is_watched = False
         self.interleaver.mediators = []
 
-    def _account_saves(self) -> None:
-        """Count the step's new saved values (past the device budget they go to the host); a trace whose
-        values fit in neither budget fails alone."""
-        jobs = list({id(inv.job): inv.job for inv in self.step_invocations}.values())
-        for job, error in self.saved_values.account(jobs).items():
+    def _copy_and_account_saves(self) -> None:
+        """Copy the step's saved views out of its tensors and count the new saved values, in one walk (past the
+        device budget they go to the host); a trace whose values fit in neither budget fails alone."""
+        for job, error in self.saved_values.copy_and_account(self.step_invocations).items():
             for invocation in job.invocations:
                 if invocation.mediator.exception is None:
                     invocation.mediator.exception = error
@@ -259,7 +256,7 @@ class NNsightRequestHelper:
             del self.live[invocation]
         jobs = list({id(inv.job): inv.job for inv in invocations}.values())
         # Once per job, after every block of it had its last word (`tracer.result`, an unwind).
-        unpin_client_saves(jobs, memo, self.walked_lists)
+        unpin_client_saves(jobs, memo)
         if invocations:  # a step that failed before sampling leaves its workers here
             self.step_invocations = [inv for inv in self.step_invocations if not inv.is_finished]
             self.interleaver.mediators = [inv.mediator for inv in self.step_invocations]
@@ -267,11 +264,9 @@ class NNsightRequestHelper:
             if all(inv.is_finished for inv in job.invocations):
                 job.results.clear()  # the step's logits, kept only to serve `tracer.result`
                 self.saved_values.release(job)
-                self.walked_lists.pop(id(job), None)
                 job.done.set()
         if not self.request_to_invocations and not self.live:
             saved_value_ids().clear()  # nothing in flight: no saved id can still matter
-            self.walked_lists.clear()
             self.interleaver.sourced.clear()  # nor a callable some block drilled into (`op.source`)
 
     def _finish_one(self, invocation: Invocation, memo: dict[int, Any], padded_ids: dict[int, torch.Tensor]) -> None:
@@ -293,7 +288,7 @@ class NNsightRequestHelper:
             self._unwind(invocation)
         # An edit's names are never pushed, so it unpins and claims no save: a value it bound may be an invoke's.
         if not invocation.is_edit:
-            unpin_block_saves([invocation], memo, self.walked_lists)
+            unpin_block_saves([invocation], memo)
         error = mediator.exception
         if error is not None and not isinstance(error, EarlyStopException) and invocation.error is None:
             invocation.error = error

@@ -317,3 +317,72 @@ def test_on_cuda_values_past_the_device_budget_are_pinned_host_copies_equal_to_d
     finally:
         spilling.shutdown()
         roomy.shutdown()
+
+
+def _held_bytes(values: list) -> int:
+    """The bytes the saved tensors hold, by hand: each distinct tensor's elements times their size."""
+    distinct = {id(t): t for t in values if isinstance(t, torch.Tensor)}
+    return sum(t.numel() * t.element_size() for t in distinct.values())
+
+
+def test_a_value_deleted_below_a_lists_end_leaves_the_next_values_counted():
+    """`del saved[i]` below the end the last pass reached, then new values appended: every value still held is
+    counted (the ledger does not take the list's length for how much of it it has seen)."""
+    ledger = save_spill.SavedValueLedger(SaveBudget(max_device_bytes=1 << 20, max_host_bytes=1 << 20))
+    job = SimpleNamespace(invocations=[], client_saves=[[]])
+    saved = job.client_saves[0]
+    saved.extend(torch.zeros(4) for _ in range(3))  # 16 bytes each
+    ledger.account([job])
+    assert ledger.budget.device_bytes == _held_bytes(saved) == 48
+    del saved[0]  # it dies: uncounted at the next pass
+    saved.append(torch.zeros(8))  # 32 bytes, at the position the last pass reached
+    ledger.account([job])
+    assert ledger.budget.device_bytes == _held_bytes(saved) == 64
+    saved[1] = torch.zeros(2)  # a value replaced in place below the end (the old one dies)
+    saved.append(torch.zeros(4))
+    ledger.account([job])
+    assert ledger.budget.device_bytes == _held_bytes(saved) == 16 + 8 + 32 + 16
+    ledger.release(job)
+    assert ledger.budget.num_traces == 0
+
+
+class _Scope(dict):
+    """A block's scope as the walk reads it: the names it bound (`written`)."""
+
+    def __init__(self, **names) -> None:
+        super().__init__(names)
+        self.written = set(names)
+
+
+def test_one_walk_copies_the_steps_views_and_counts_them_where_they_end_up():
+    """`copy_and_account`: every saved view becomes a copy of its own (on the device while the budget lasts,
+    else a compact host copy made from the view), each counted once, deletions below a list's end included."""
+    from interleaver.nnsight_private import saved_value_ids
+
+    ledger = save_spill.SavedValueLedger(SaveBudget(max_device_bytes=96, max_host_bytes=1 << 20))
+    saved: list = []
+    job = SimpleNamespace(invocations=[], client_saves=[saved])
+    step = torch.arange(64, dtype=torch.float32).reshape(1, 16, 4)  # [1, N, H] a step's flat tensor
+    named = step[:, 15]  # a name the block bound with `.save()`: 16 bytes
+    saved_value_ids().add(id(named))
+    scope = _Scope(row=named)
+    block = SimpleNamespace(job=job, is_edit=False, is_finished=False, mediator=SimpleNamespace(lcls=scope))
+    job.invocations.append(block)
+    views = list(step.split(1, dim=1))  # 16 bytes each
+    saved.extend(views[:8])  # with the name: 144 bytes, past the 96 the device holds
+    try:
+        assert ledger.copy_and_account([block]) == {}
+        kept = [*saved, scope["row"]]
+        assert all(t._base is None for t in kept) and all(torch.equal(t, v) for t, v in zip(saved, views))
+        assert torch.equal(scope["row"], named) and id(scope["row"]) in saved_value_ids()
+        assert (ledger.budget.device_bytes, ledger.budget.host_bytes) == (96, 144 - 96) == (96, _held_bytes(kept) - 96)
+        del kept, saved[2]  # below the end the last pass reached: the value dies
+        saved.extend(views[8:10])
+        ledger.copy_and_account([block])
+        kept = [*saved, scope["row"]]
+        assert all(t._base is None for t in kept)
+        assert ledger.budget.device_bytes + ledger.budget.host_bytes == _held_bytes(kept) == 160
+    finally:
+        saved_value_ids().discard(id(scope["row"]))
+        ledger.release(job)
+    assert (ledger.budget.device_bytes, ledger.budget.host_bytes, ledger.budget.num_traces) == (0, 0, 0)
