@@ -103,6 +103,9 @@ class SavedWalk:
         """Walk the values an invocation's block bound with `.save()`; a new one is bound in place of the old."""
         saved = saved_value_ids()
         scope = invocation.mediator.lcls
+        # id of a saved value -> what is saved in its place, marked saved after the loop: a value bound to two
+        # names is found saved under both
+        replaced: dict[int, Any] = {}
         for name in list(scope.written):
             value = scope.get(name)
             if id(value) not in saved:
@@ -110,8 +113,10 @@ class SavedWalk:
             result = self.map(value)
             if result is not value:
                 scope[name] = result
-                saved.discard(id(value))
-                saved.add(id(result))
+                replaced[id(value)] = result
+        for value_id, result in replaced.items():
+            saved.discard(value_id)
+            saved.add(id(result))
 
     def client_saves(self, job: TraceJob) -> None:
         """Walk the containers (and values) a job's trace body saved, which its blocks fill."""
