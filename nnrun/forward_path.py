@@ -108,7 +108,9 @@ class PackedPath(ForwardPath):
 
     @property
     def takes_graphs(self) -> bool:
-        return self.state_pool is None  # a replay would not run the mixers' per-request Python (nnrun/state)
+        # A replay would not run the mixers' per-request Python (nnrun/state), nor serve the indexers their
+        # step's layout (attention/indexer), which a graph's forward does not enter
+        return self.state_pool is None and self.indexer_keys is None
 
     def forward_groups(self, reqs: list[Request]) -> list[list[Request]]:
         return [reqs]

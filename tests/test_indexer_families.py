@@ -115,6 +115,21 @@ def test_family_runs_packed_and_equals_hf_alone(model_type):
         lm.shutdown()
 
 
+def test_a_packed_dsa_model_takes_no_decode_graphs():
+    """A graph's forward does not serve the indexers their step's layout: such a model decodes eagerly, and a
+    capturer given to it captures nothing (a capture would fail, at start on CUDA)."""
+    from fake_cuda_graph import RecordingCapturer
+
+    with nnrun.LLM(indexed_model("deepseek_v32"), max_num_seqs=4, max_model_len=64, page_size=4) as llm:
+        runner = llm.runner
+        assert runner.path.indexer_keys is not None and not runner.path.takes_graphs
+        capturer = RecordingCapturer()
+        runner.init_cuda_graphs(capturer=capturer)
+        assert runner.graph_runner is None and capturer.captures == 0
+        llm.generate([list(PROMPTS[0])], GREEDY)  # on CPU too: no lazy capture is tried
+        assert runner.graph_runner is None
+
+
 def test_a_request_joining_mid_generation_equals_it_alone():
     """The joining step mixes decodes of different prefixes with new prefills: each picks from its own keys."""
     model = indexed_model("deepseek_v32")
