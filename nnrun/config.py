@@ -121,8 +121,8 @@ class DeviceConfig:
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 32, ... up to max_num_seqs (256 at most)
     # Decode steps that blocks watch replay per-layer graphs around the watched layers (`graph_pieces.py`);
-    # off, such steps run eagerly. None: on with the device's own graphs (CUDA: checked on an H200, docs/gpu.md;
-    # CPU: traced), off with a capturer a test passes unless asked.
+    # off, such steps run eagerly. None: on with CUDA's graphs (checked on an H200, docs/gpu.md); off on CPU, where
+    # traced pieces cost more than they save (docs/benchmarks.md), and with a capturer a test passes.
     cuda_graph_pieces: bool | None = None
     # The captured decode graphs run the decoder layers torch.compile'd (inductor fuses HF's elementwise ops);
     # eager steps keep HF's modules (nnrun/compiled_layers.py). Off: compiling costs start-up time.

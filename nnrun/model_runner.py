@@ -223,7 +223,10 @@ class ModelRunner(KVPoolSetup):
             return GraphPlan(CudaGraphCapturer(self.device), 0, sizes, device.graph_pieces_on(self.device))
         if self.device.type == "cpu" and self.config.parallel.tensor_parallel_size == 1:
             sizes = list(range(1, max_num_seqs + 1))
-            pieces = device.cuda_graph_pieces is not False  # each size's pieces captured lazily too
+            # Pieces only when asked (each size's then captured lazily too): a CPU decode layer of a model worth
+            # tracing is its matmuls, which a replay runs no faster, while a piece's loads and copies cost more
+            # than the Python they save (a 30M Llama's watched steps: 8% slower; docs/benchmarks.md)
+            pieces = device.cuda_graph_pieces is True
             return GraphPlan(TracedCapturer(self.attn_backend), CPU_CAPTURE_AFTER, sizes, pieces)
         return None
 

@@ -108,6 +108,16 @@ def test_a_forward_that_reads_a_tensor_on_the_host_decodes_eagerly_and_says_why(
     assert "capturing a decode graph failed" in caplog.text
 
 
+def test_watched_steps_run_eagerly_on_cpu_unless_pieces_are_asked_for():
+    from conformance.models import tiny_llama, tiny_tokenizer
+
+    lm = nnrun.LanguageModel(tiny_llama(seed=4, num_layers=2), tokenizer=tiny_tokenizer())
+    try:
+        assert lm.engine.runner.graph_pieces is None
+    finally:
+        lm.shutdown()
+
+
 def test_graphs_off_decode_eagerly():
     llm = nnrun.LLM(make_model("llama"), enable_cuda_graphs=False)
     llm.generate(random_prompts([5]), greedy(12))
@@ -184,7 +194,7 @@ def test_a_host_read_inside_an_attention_call_is_the_backends_own():
 
 
 def test_watched_steps_replay_the_layers_no_block_waits_in_with_the_eager_values():
-    """Decoder-layer pieces on CPU: a block reads layer 1 and steers layer 2 every step; the other layers
+    """Decoder-layer pieces on CPU (asked for): a block reads layer 1 and steers layer 2 every step; the other layers
     replay their traced pieces once their size is captured, and every value equals the all-eager run's."""
     from conformance.models import tiny_llama, tiny_tokenizer, twin
 
@@ -205,7 +215,7 @@ def test_watched_steps_replay_the_layers_no_block_waits_in_with_the_eager_values
         return torch.stack(list(read)), ids
 
     eager = nnrun.LanguageModel(twin(model), tokenizer=tiny_tokenizer(), enable_cuda_graphs=False)
-    ours = nnrun.LanguageModel(model, tokenizer=tiny_tokenizer())
+    ours = nnrun.LanguageModel(model, tokenizer=tiny_tokenizer(), cuda_graph_pieces=True)  # opt-in on CPU
     try:
         replayed = []
         gate = ours.engine.runner.watched_layers
