@@ -117,7 +117,7 @@ def test_family_runs_packed_and_equals_hf_alone(model_type):
 
 def test_a_packed_dsa_model_takes_no_decode_graphs():
     """A graph's forward does not serve the indexers their step's layout: such a model decodes eagerly, and a
-    capturer given to it captures nothing (a capture would fail, at start on CUDA)."""
+    capturer given to it captures nothing (the CPU's lazy capture failed on it, logging a warning)."""
     from fake_cuda_graph import RecordingCapturer
 
     with nnrun.LLM(indexed_model("deepseek_v32"), max_num_seqs=4, max_model_len=64, page_size=4) as llm:
