@@ -179,7 +179,8 @@ class DecodeGraphRunner:
     def replay(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """The step's `[B, V]` next-token logits, from the graph of the next captured size.
 
-        The returned rows are a view of the graph's output, rewritten by its next replay.
+        The returned rows are a view of the graph's output, rewritten by its next replay (on CPU, by any graph's
+        next replay: the traced graphs' outputs share one buffer).
         """
         graph_size = self.load_step(forward_batch)
         self.replays[graph_size]()

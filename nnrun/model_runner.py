@@ -227,7 +227,7 @@ class ModelRunner(KVPoolSetup):
             # tracing is its matmuls, which a replay runs no faster, while a piece's loads and copies cost more
             # than the Python they save (a 30M Llama's watched steps: 8% slower; docs/benchmarks.md)
             pieces = device.cuda_graph_pieces is True
-            return GraphPlan(TracedCapturer(self.attn_backend), CPU_CAPTURE_AFTER, sizes, pieces)
+            return GraphPlan(TracedCapturer(self.attn_backend, max_num_seqs), CPU_CAPTURE_AFTER, sizes, pieces)
         return None
 
     def own_forward(self, module: torch.nn.Module) -> Callable | None:

@@ -293,8 +293,13 @@ class TracedCapturer:
 
     captures_attention = False  # the backend's calls run eagerly at replay, planned by the backend per step
 
-    def __init__(self, backend: AttentionBackend) -> None:
+    def __init__(self, backend: AttentionBackend, max_rows: int = 1) -> None:
+        """`max_rows`: the most rows a captured output has (the largest batch): the outputs of all captures with the
+        same trailing shape share one buffer of that many rows (graphs replay one at a time, and a replay's output
+        is read before the next), where one each would hold `sizes x vocabulary` logits per size."""
         self.backend = backend
+        self.max_rows = max_rows
+        self._outputs: dict[tuple, torch.Tensor] = {}  # (trailing shape, dtype) -> the buffer outputs are rows of
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
         with torch.inference_mode():
@@ -327,8 +332,7 @@ class TracedCapturer:
         with torch.inference_mode():
             program = _Program(recorder.calls, output, forward)
         recorder.calls = []  # the recording's tensors: only the program's inputs stay
-        # What replays write: an ordinary tensor (not an inference one), which callers may read as any other
-        static = None if output is None else torch.empty_like(output)
+        static = None if output is None else self._output_rows(output)
 
         def replay() -> None:
             with torch.inference_mode():  # as an eager step nothing watches (`ModelRunner.grad_context`)
@@ -336,3 +340,15 @@ class TracedCapturer:
 
         replay()  # the first replay, with the tracer's first runs, in the capture's time
         return replay, static
+
+    def _output_rows(self, output: torch.Tensor) -> torch.Tensor:
+        """Where replays write `output`: the first rows of the shared buffer for its trailing shape, an ordinary
+        tensor (not an inference one), which callers may read as any other."""
+        if output.dim() == 0:
+            return torch.empty_like(output)
+        key = (tuple(output.shape[1:]), output.dtype, output.device)
+        buffer = self._outputs.get(key)
+        if buffer is None or buffer.shape[0] < output.shape[0]:
+            rows = max(self.max_rows, output.shape[0])
+            buffer = self._outputs[key] = output.new_empty((rows, *output.shape[1:]))
+        return buffer[: output.shape[0]]

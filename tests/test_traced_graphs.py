@@ -60,6 +60,15 @@ def test_replayed_decode_steps_give_the_eager_steps_tokens_and_logprobs_bitwise(
     assert 5 in graphs.replays and counts["replays"] >= MAX_TOKENS[3] - CPU_CAPTURE_AFTER, family
 
 
+def test_every_size_writes_its_logits_into_one_buffer():
+    """One logits buffer of max_num_seqs rows, not one per captured size (256 sizes x a vocabulary each)."""
+    llm = nnrun.LLM(make_model("llama"), max_num_seqs=8)
+    llm.generate(random_prompts([5, 11, 3, 8, 2]), [greedy(n) for n in (30, 20, 30, 10, 25)])
+    logits = llm.runner.graph_runner.logits  # sizes 5, 4, 3 and 2 held for 5+ steps each
+    assert len(logits) >= 3 and len({t.untyped_storage().data_ptr() for t in logits.values()}) == 1
+    assert logits[5].untyped_storage().nbytes() == 8 * logits[5][0].nbytes
+
+
 def test_sampled_generation_with_seeds_is_the_eager_one():
     model = make_model("llama")
     prompts = random_prompts([4, 7, 3])
