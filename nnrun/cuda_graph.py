@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
+import time
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -31,6 +34,41 @@ def default_batch_sizes(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
     capped = [size for size in sizes if size < max_num_seqs]
     return capped + [min(max_num_seqs, 256)]
+
+
+@dataclass(frozen=True)
+class LazyCapture:
+    """When a batch size's graph is captured, where graphs are not all captured at start (the CPU's traced ones).
+
+    At the `after`-th decode step of that size that could replay it, if the fastest such step so far (the time
+    between two of them in a row) took under `below_s` (None: any): a replay saves a step's Python, not its
+    math, and a capture costs a few steps, repaid only where that Python is a fair share of the step.
+    """
+
+    after: int
+    below_s: float | None = None
+
+
+class _SizeWatch:
+    """Per batch size: the decode steps that could replay it, and the fastest of them (`LazyCapture`)."""
+
+    def __init__(self, lazy: LazyCapture, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.lazy = lazy
+        self.clock = clock
+        self.seen: dict[int, int] = {}
+        self._last: dict[int, float] = {}
+        self.fastest: dict[int, float] = {}  # seconds between two steps of the size in a row, the fewest seen
+
+    def due(self, size: int) -> bool:
+        """Count a step of `size`; whether its graph should be captured now."""
+        now = self.clock()
+        last = self._last.get(size)
+        self._last[size] = now
+        if last is not None and now - last < self.fastest.get(size, math.inf):
+            self.fastest[size] = now - last
+        seen = self.seen[size] = self.seen.get(size, 0) + 1
+        below = self.lazy.below_s
+        return seen >= self.lazy.after and (below is None or self.fastest.get(size, 0.0) < below)
 
 
 class GraphCapturer(Protocol):
@@ -83,11 +121,11 @@ class DecodeGraphRunner:
         backend: AttentionBackend,
         batch_sizes: Sequence[int],
         capturer: GraphCapturer,
-        capture_after: int = 0,
+        lazy: LazyCapture | None = None,
     ) -> None:
         """`trash_slot`: the KV slot padding rows write to (the pool's reserved slot nothing reads).
 
-        `capture_after`: 0 captures every size now; n captures a size at the n-th decode step that could
+        `lazy`: None captures every size now; else each size when `lazy` says, at a decode step that could
         replay it (`takes`), so that sizes a run never holds for long cost nothing (the CPU's traced graphs).
         """
         if not batch_sizes or min(batch_sizes) <= 0:
@@ -103,11 +141,11 @@ class DecodeGraphRunner:
         self.replays: dict[int, Callable[[], None]] = {}
         self.logits: dict[int, torch.Tensor] = {}  # per size, the [bs, V] logits its replay writes
         self.capturer = capturer
-        self.capture_after = capture_after
-        self.steps_seen: dict[int, int] = dict.fromkeys(self.batch_sizes, 0)  # per size, steps that could replay it
+        self.lazy = lazy
+        self.watch = None if lazy is None else _SizeWatch(lazy)
         self.refused: str | None = None  # why a lazy capture failed: no size is captured after it
         backend.init_cuda_graph_state(self.batch_sizes)
-        if capture_after == 0:
+        if lazy is None:
             for batch_size in reversed(self.batch_sizes):
                 self._capture(batch_size)
             logger.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
@@ -129,14 +167,13 @@ class DecodeGraphRunner:
         """Whether a decode step of `batch_size` rows replays a graph; counts the step towards a lazy capture.
 
         Asked once per decode step that could replay (nothing watches it); the size's graph is captured
-        at its `capture_after`-th such step.
+        when `lazy` says.
         """
         graph_size = self.padded_batch_size(batch_size)
         if graph_size is None:
             return False
         if graph_size not in self.replays:
-            self.steps_seen[graph_size] += 1
-            if self.refused is not None or self.steps_seen[graph_size] < self.capture_after:
+            if not self.watch.due(graph_size) or self.refused is not None:
                 return False
             try:
                 self._capture(graph_size)

@@ -273,15 +273,15 @@ class DecoderLayerPieces:
     def takes(self, batch_size: int) -> bool:
         """Whether a watched decode step of `batch_size` rows runs in pieces; counts it towards a lazy capture.
 
-        With lazy whole-step graphs (`DecodeGraphRunner.capture_after`), a size's pieces are captured at
-        its `capture_after`-th watched step, by the capturer `capture_decoder_layer_pieces` was given.
+        With lazy whole-step graphs (`DecodeGraphRunner.lazy`), a size's pieces are captured at its
+        `lazy.after`-th watched step, by the capturer `capture_decoder_layer_pieces` was given.
         """
         graph_size = self.graphs.padded_batch_size(batch_size)
         if graph_size is None:
             return False
         if graph_size not in self.pieces:
             self.steps_seen[graph_size] = self.steps_seen.get(graph_size, 0) + 1
-            if self.refused is not None or self.steps_seen[graph_size] < self.graphs.capture_after:
+            if self.refused is not None or self.steps_seen[graph_size] < self.graphs.lazy.after:
                 return False
             try:
                 self.capture(self.capturer, [graph_size])
@@ -459,7 +459,7 @@ def capture_decoder_layer_pieces(
         return None
     pieces = DecoderLayerPieces(layers, graphs)
     pieces.capturer = capturer
-    if graphs.capture_after:  # each size at its capture_after-th watched step (`takes`)
+    if graphs.lazy is not None:  # each size at its `lazy.after`-th watched step (`takes`)
         return pieces
     try:
         pieces.capture(capturer, graphs.batch_sizes)

@@ -19,12 +19,12 @@ from nnrun.attention.indexer import IndexerKeyPool, adapt_indexers
 from nnrun.attention.selection import create_attention_backend
 from nnrun.compiled_layers import plain_own_forward, with_compiled_layers
 from nnrun.config import EngineConfig
-from nnrun.cuda_graph import CudaGraphCapturer, DecodeGraphRunner, GraphCapturer, default_batch_sizes
+from nnrun.cuda_graph import CudaGraphCapturer, DecodeGraphRunner, GraphCapturer, LazyCapture, default_batch_sizes
 from nnrun.exact import FORCED_REASON, HFForward, choose_exact_forward, packed_layers
 from nnrun.forward_batch import OUTPUT_ATTENTIONS_ARG, ForwardBatch, ForwardMode
 from nnrun.forward_path import ExactPath, ForwardPath, PackedPath
 from nnrun.grad_modes import GradOff, InferenceOn
-from nnrun.graph_pieces import DecoderLayerPieces, PieceGate, capture_decoder_layer_pieces
+from nnrun.graph_pieces import DecoderLayerPieces, PieceGate, capture_decoder_layer_pieces, decoder_layers
 from nnrun.loader import load_model, max_context_len, packed_unfit_reason
 from nnrun.memory import hold_kv, release_kv
 from nnrun.model_probe import AttentionLayerInfo
@@ -35,18 +35,18 @@ from nnrun.runner_memory import KVPoolSetup
 from nnrun.sampler import Sampler, SamplerOutput, SamplingRow
 from nnrun.sampling_params import SamplingParams
 from nnrun.state import StatePool, state_pool_for
-from nnrun.traced_graph import CPU_CAPTURE_AFTER, TracedCapturer
+from nnrun.traced_graph import CPU_CAPTURE_AFTER, CPU_CAPTURE_BELOW_S_PER_LAYER, TracedCapturer
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class GraphPlan:
-    """How a runner's decode graphs are made: by whom, when (`DecodeGraphRunner`'s `capture_after`), which sizes,
-    and whether decoder-layer pieces come with them (`graph_pieces`)."""
+    """How a runner's decode graphs are made: by whom, when (None: all at start), which sizes, and whether
+    decoder-layer pieces come with them (`graph_pieces`)."""
 
     capturer: GraphCapturer
-    capture_after: int
+    lazy: LazyCapture | None
     batch_sizes: list[int]
     pieces: bool
 
@@ -189,7 +189,7 @@ class ModelRunner(KVPoolSetup):
         device = self.config.device
         if capturer is not None:
             sizes = default_batch_sizes(self.config.scheduler.max_num_seqs)
-            plan = GraphPlan(capturer, 0, sizes, device.graph_pieces_on(self.device))
+            plan = GraphPlan(capturer, None, sizes, device.graph_pieces_on(self.device))
         else:
             plan = self.device_graphs()
         if plan is None:
@@ -203,7 +203,7 @@ class ModelRunner(KVPoolSetup):
         sizes = self.config.device.cuda_graph_batch_sizes or plan.batch_sizes
         with self.step_lock:
             self.path.graphs = DecodeGraphRunner(
-                self.model, self.device, self.kv_pool.trash_slot, backend, sizes, capturer, plan.capture_after
+                self.model, self.device, self.kv_pool.trash_slot, backend, sizes, capturer, plan.lazy
             )
             # Decided once: pieces for a runner whose steps may be watched, on one process (not tensor-parallel ranks)
             if self.captures_graph_pieces and plan.pieces and self.config.parallel.tensor_parallel_size == 1:
@@ -214,20 +214,23 @@ class ModelRunner(KVPoolSetup):
 
         CUDA's graphs, every size at start, batches padded to the next size. On CPU (one process: a
         rank's collectives stay eager), traced pieces around eager attention calls (`traced_graph`),
-        each size at its `CPU_CAPTURE_AFTER`-th step and every batch its own size: a padded batch's
-        matmuls would round differently from the eager step's.
+        every batch its own size (a padded batch's matmuls would round differently from the eager
+        step's), each at its `CPU_CAPTURE_AFTER`-th step where its steps take under
+        `CPU_CAPTURE_BELOW_S_PER_LAYER` per decoder layer.
         """
         max_num_seqs, device = self.config.scheduler.max_num_seqs, self.config.device
         if self.device.type == "cuda":
             sizes = default_batch_sizes(max_num_seqs)
-            return GraphPlan(CudaGraphCapturer(self.device), 0, sizes, device.graph_pieces_on(self.device))
+            return GraphPlan(CudaGraphCapturer(self.device), None, sizes, device.graph_pieces_on(self.device))
         if self.device.type == "cpu" and self.config.parallel.tensor_parallel_size == 1:
             sizes = list(range(1, max_num_seqs + 1))
             # Pieces only when asked (each size's then captured lazily too): a CPU decode layer of a model worth
             # tracing is its matmuls, which a replay runs no faster, while a piece's loads and copies cost more
             # than the Python they save (a 30M Llama's watched steps: 8% slower; docs/benchmarks.md)
             pieces = device.cuda_graph_pieces is True
-            return GraphPlan(TracedCapturer(self.attn_backend, max_num_seqs), CPU_CAPTURE_AFTER, sizes, pieces)
+            num_layers = len(decoder_layers(self.model) or ()) or 1
+            lazy = LazyCapture(CPU_CAPTURE_AFTER, CPU_CAPTURE_BELOW_S_PER_LAYER * num_layers)
+            return GraphPlan(TracedCapturer(self.attn_backend, max_num_seqs), lazy, sizes, pieces)
         return None
 
     def own_forward(self, module: torch.nn.Module) -> Callable | None:

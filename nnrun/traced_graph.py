@@ -44,9 +44,13 @@ HOST_SYNC_OPS = frozenset(
 )
 
 
-# A batch size's graph is captured at its 4th decode step nothing watched: a capture costs a few eager steps
-# (a warm-up, the recording, the tracing), repaid within a few dozen replays; short runs never pay it.
+# A batch size's graph is captured at its 4th decode step nothing watched (short runs never pay for one), if its
+# fastest such step took under 2 ms per decoder layer. A capture costs about four eager steps (a warm-up, the
+# recording, the tracing, a first replay); a replay saves the step's Python, about 0.2 ms per layer (some 90 ops
+# each ~2.5 µs cheaper), not its math: under 2 ms a layer that is 10% or more of a step, repaid within ~40 steps.
+# Above it (a 30M Llama at batch 16: 3-4 ms a layer) replays are no faster and the capture is lost time.
 CPU_CAPTURE_AFTER = 4
+CPU_CAPTURE_BELOW_S_PER_LAYER = 2e-3
 
 
 # Tensor methods that read values on the host without an op a dispatch mode would see (a CPU tensor's memory)

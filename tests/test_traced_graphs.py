@@ -9,6 +9,7 @@ step; the tests below run long enough to replay most steps.
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -18,6 +19,15 @@ from model_zoo import FAMILIES, make_model, random_prompts
 from nnrun.traced_graph import CPU_CAPTURE_AFTER, CaptureRefused, TracedCapturer
 
 MAX_TOKENS = [14, 9, 14, 6, 12]  # requests finish at different steps: the batch shrinks through several sizes
+
+
+@pytest.fixture(autouse=True)
+def steps_fast_enough(monkeypatch):
+    """Every step counts as fast enough to capture (the timing rule has its own tests below): a loaded machine
+    must not decide whether these tests capture."""
+    from nnrun import model_runner
+
+    monkeypatch.setattr(model_runner, "CPU_CAPTURE_BELOW_S_PER_LAYER", math.inf)
 
 
 def generate(model, graphs: bool, params: list[nnrun.SamplingParams], prompts, **engine) -> tuple[list, nnrun.LLM]:
@@ -239,3 +249,30 @@ def test_watched_steps_replay_the_layers_no_block_waits_in_with_the_eager_values
     assert pieces is not None and pieces.refused is None and 2 in pieces.pieces
     # 13 decode steps of 2 rows: captured at the 4th, then layers 0, 1 (at its output) and 3 replay, 2 (edited) too
     assert {0, 1, 3} <= set(replayed) and replayed.count(0) >= 13 - CPU_CAPTURE_AFTER, replayed
+
+
+def test_a_size_is_captured_once_its_steps_are_fast_enough_and_seen_often_enough():
+    from nnrun.cuda_graph import LazyCapture, _SizeWatch
+
+    now = [0.0]
+    watch = _SizeWatch(LazyCapture(after=3, below_s=0.010), clock=lambda: now[0])
+    decisions = []
+    for step_seconds in (0.030, 0.030, 0.030, 0.004, 0.030):  # the fourth step of size 8 is a fast one
+        decisions.append(watch.due(8))
+        now[0] += step_seconds
+    assert decisions == [False, False, False, False, True]  # 3 seen, but only the 5th has a fast step behind it
+    assert watch.fastest[8] == pytest.approx(0.004) and watch.seen[8] == 5
+    assert not watch.due(4)  # sizes count apart
+
+
+def test_steps_too_slow_for_a_capture_to_pay_decode_eagerly(monkeypatch):
+    """A replay saves Python, not math: where steps take longer than the limit, no size is captured."""
+    from nnrun import model_runner
+
+    monkeypatch.setattr(model_runner, "CPU_CAPTURE_BELOW_S_PER_LAYER", 0.0)
+    model = make_model("llama")
+    prompts = random_prompts([5, 6])
+    eager, _ = generate(model, False, [greedy(16)] * 2, prompts)
+    replayed, llm = generate(model, True, [greedy(16)] * 2, prompts)
+    graphs = llm.runner.graph_runner
+    assert replayed == eager and not graphs.replays and graphs.watch.seen[2] == 15
