@@ -56,6 +56,21 @@ def count_decode_steps(llm: nnrun.LLM) -> dict:
     return counts
 
 
+def count_replays(llm: nnrun.LLM) -> dict:
+    """Counts (`count`) the decode steps that replayed a whole-step graph."""
+    counts = {"count": 0}
+    graphs = llm.runner.graph_runner
+    if graphs is not None:
+        replay = graphs.replay
+
+        def counting(forward_batch):
+            counts["count"] += 1
+            return replay(forward_batch)
+
+        graphs.replay = counting
+    return counts
+
+
 def greedy_params(max_tokens: int) -> nnrun.SamplingParams:
     return nnrun.SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=0, ignore_eos=True)
 

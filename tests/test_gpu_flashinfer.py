@@ -32,6 +32,7 @@ from nnrun.hf_dtypes import cast_like_hf
 from nnrun.memory import KVPool, LayerKVShape
 from nnrun.model_probe import AttentionLayerInfo
 from nnrun.request import Request
+from test_cuda_graphs import count_replays
 
 pytestmark = [
     pytest.mark.gpu,
@@ -294,7 +295,7 @@ def test_cuda_graph_replay_equals_eager_and_matches_hf(family):
             cuda_graph_batch_sizes=[1, 2, 4, 8, 16],
         ) as llm:
             assert (llm.runner.graph_runner is not None) == graphs
-            replays = _count_replays(llm)
+            replays = count_replays(llm)
             outputs[graphs] = llm.generate(prompts, params)
             assert (replays["count"] == max(p.max_tokens for p in params) - 1) == graphs
     assert_matches_oracle(twin, prompts, outputs[True], TOL[torch.bfloat16])
@@ -307,24 +308,10 @@ def test_cuda_graph_replay_equals_eager_and_matches_hf(family):
             assert abs(got[token] - want[token]) < TOL[torch.bfloat16]
 
 
-def _count_replays(llm: nnrun.LLM) -> dict:
-    counts = {"count": 0}
-    graphs = llm.runner.graph_runner
-    if graphs is not None:
-        replay = graphs.replay
-
-        def counting(forward_batch):
-            counts["count"] += 1
-            return replay(forward_batch)
-
-        graphs.replay = counting
-    return counts
-
-
 def test_decode_steps_run_in_graphs_by_default_on_cuda():
     with engine(gpu_model("llama", torch.bfloat16), "flashinfer", torch.bfloat16, max_num_seqs=32) as llm:
         assert llm.runner.graph_runner.batch_sizes == [1, 2, 4, 8, 16, 32]
-        replays = _count_replays(llm)
+        replays = count_replays(llm)
         llm.generate(random_prompts([5, 9]), nnrun.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         assert replays["count"] == 3
 

@@ -17,6 +17,7 @@ import torch
 import nnrun
 from model_zoo import FAMILIES, make_model, random_prompts
 from nnrun.traced_graph import CPU_CAPTURE_AFTER, CaptureRefused, TracedCapturer
+from test_cuda_graphs import count_replays
 
 MAX_TOKENS = [14, 9, 14, 6, 12]  # requests finish at different steps: the batch shrinks through several sizes
 
@@ -40,19 +41,6 @@ def greedy(max_tokens: int) -> nnrun.SamplingParams:
     return nnrun.SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=2, ignore_eos=True)
 
 
-def replay_counter(llm: nnrun.LLM) -> dict:
-    """Counts the decode steps that replayed a graph."""
-    graphs, counts = llm.runner.graph_runner, {"replays": 0}
-    replay = graphs.replay
-
-    def counting(forward_batch):
-        counts["replays"] += 1
-        return replay(forward_batch)
-
-    graphs.replay = counting
-    return counts
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 def test_replayed_decode_steps_give_the_eager_steps_tokens_and_logprobs_bitwise(family):
     model = make_model(family)
@@ -60,14 +48,14 @@ def test_replayed_decode_steps_give_the_eager_steps_tokens_and_logprobs_bitwise(
     params = [greedy(n) for n in MAX_TOKENS]
     eager, _ = generate(model, False, params, prompts)
     llm = nnrun.LLM(model, max_num_seqs=8)
-    counts = replay_counter(llm)
+    counts = count_replays(llm)
     outputs = llm.generate(prompts, params)
     replayed = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
     graphs = llm.runner.graph_runner
     assert graphs is not None and graphs.refused is None, f"{family}: {graphs and graphs.refused}"
     assert replayed == eager, f"{family}: a replayed decode step differs from the eager one"
     # Every size the batch held for more than CPU_CAPTURE_AFTER steps was captured and then replayed
-    assert 5 in graphs.replays and counts["replays"] >= MAX_TOKENS[3] - CPU_CAPTURE_AFTER, family
+    assert 5 in graphs.replays and counts["count"] >= MAX_TOKENS[3] - CPU_CAPTURE_AFTER, family
 
 
 def test_every_size_writes_its_logits_into_one_buffer():
