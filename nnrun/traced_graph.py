@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from nnrun.attention import AttentionBackend
+from nnrun.cuda_graph import CaptureRefused
 
 # Ops that read a tensor on the host, or whose output's size depends on its data: a value a replay would freeze
 HOST_SYNC_OPS = frozenset(
@@ -55,10 +56,6 @@ CPU_CAPTURE_BELOW_S_PER_LAYER = 2e-3
 
 # Tensor methods that read values on the host without an op a dispatch mode would see (a CPU tensor's memory)
 HOST_READS = frozenset({"tolist", "numpy", "item", "__bool__", "__int__", "__float__", "__index__", "__complex__"})
-
-
-class CaptureRefused(RuntimeError):
-    """The recorded forward did something a replay could not repeat (a host read, a tensor subclass)."""
 
 
 @dataclass(frozen=True)
