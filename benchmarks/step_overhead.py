@@ -8,6 +8,9 @@ Llama and on a cheap one (one layer, hidden 32), whose math is next to nothing: 
 step's time is almost all fixed cost, and HF `generate`'s time per step there is its own fixed
 cost, the floor nnrun has to match. Ratios are of interleaved runs in one process.
 
+Decode steps replay the CPU's traced graphs (nnrun/traced_graph.py) once their batch size is captured, as a
+user's engine does; `model` is then the replay (attention shown apart is its eager calls).
+
 First, issue 36's decode table: the tiny Llama (hidden 64, 2 layers, vocab 256, `common.shape_config`),
 prompts of 8 tokens, greedy, at batch 1, 64 and 256. A decode step's time is
 (T(17 tokens) - T(1)) / 16, best of 3, for nnrun and for HF `generate` on the same model in the
