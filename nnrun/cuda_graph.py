@@ -148,6 +148,7 @@ class DecodeGraphRunner:
         self.lazy = lazy
         self.watch = None if lazy is None else _SizeWatch(lazy)
         self.refused: str | None = None  # why a lazy capture failed: no size is captured after it
+        self.num_replays = 0  # decode steps replayed so far (for benchmarks and tests)
         backend.init_cuda_graph_state(self.batch_sizes)
         if lazy is None:
             for batch_size in reversed(self.batch_sizes):
@@ -228,6 +229,7 @@ class DecodeGraphRunner:
         """
         graph_size = self.load_step(forward_batch)
         self.replays[graph_size]()
+        self.num_replays += 1
         return self.logits[graph_size][: forward_batch.batch_size]
 
     def load_step(self, forward_batch: ForwardBatch) -> int:

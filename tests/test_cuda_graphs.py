@@ -43,14 +43,18 @@ def capture_graphs(llm: nnrun.LLM, sizes=GRAPH_SIZES) -> RecordingCapturer:
 
 
 def count_decode_steps(llm: nnrun.LLM) -> dict:
-    """How many decode steps replayed a graph and how many ran eagerly."""
+    """How many decode steps replayed a graph and how many ran eagerly (read off the step, not asked before it)."""
     runner, counts = llm.runner, {"replayed": 0, "eager": 0}
     run_model = runner.run_model
 
     def counting_run_model(forward_batch):
-        if forward_batch.forward_mode is ForwardMode.DECODE:
-            counts["replayed" if runner._replays_graph(forward_batch) else "eager"] += 1
-        return run_model(forward_batch)
+        if forward_batch.forward_mode is not ForwardMode.DECODE:
+            return run_model(forward_batch)
+        graphs = runner.graph_runner
+        before = None if graphs is None else graphs.num_replays
+        output = run_model(forward_batch)
+        counts["eager" if graphs is None or graphs.num_replays == before else "replayed"] += 1
+        return output
 
     runner.run_model = counting_run_model
     return counts
