@@ -168,8 +168,10 @@ class RankGroup:
                     )
                 )
         if failure:
+            # A closed pipe is a rank that died; under load its exit status lags the pipe's close: wait for it a
+            # little, as `_fail_with_report` does, so that the error names the rank and how it died
             self._fail(
-                self._first_death("receiving a message")
+                self._first_death("receiving a message", grace_s=DEATH_GRACE_S)
                 or TensorParallelError(
                     f"a tensor-parallel rank closed its pipe before a message was sent ({failure[0]})"
                 )
