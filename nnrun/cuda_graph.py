@@ -15,6 +15,7 @@ import bisect
 import logging
 import math
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
@@ -53,8 +54,9 @@ class LazyCapture:
     below_s: float | None = None
 
 
-class _SizeWatch:
-    """Per batch size: the decode steps that could replay it, and the fastest of them (`LazyCapture`)."""
+class SizeWatch:
+    """Lazy captures per batch size: the steps that could replay each, the fastest of them (`LazyCapture`), and
+    the failure that ends every capture after it (`refused`)."""
 
     def __init__(self, lazy: LazyCapture, clock: Callable[[], float] = time.perf_counter) -> None:
         self.lazy = lazy
@@ -62,6 +64,34 @@ class _SizeWatch:
         self.seen: dict[int, int] = {}
         self._last: dict[int, float] = {}
         self.fastest: dict[int, float] = {}  # seconds between two steps of the size in a row, the fewest seen
+        self.refused: str | None = None  # why a capture failed: no size is captured after it
+
+    def capture_when_due(
+        self,
+        size: int,
+        capture: Callable[[int], None],
+        unwatched: Callable[[], AbstractContextManager],
+        steps: str,
+        graphs: str,
+    ) -> bool:
+        """Count a step of `size` and, when due, `capture(size)` under `unwatched()`; whether it is captured now.
+
+        `steps` and `graphs` name what runs eagerly after a failure, and what failed to be captured.
+        """
+        if not self.due(size) or self.refused is not None:
+            return False
+        try:
+            with unwatched():
+                capture(size)
+        except Exception as error:  # this step runs eagerly, and so does every later one
+            self.refused = f"{type(error).__name__}: {error}"
+            # A refusal is the model's forward being what it is (say, an MoE router reading the host): no cause
+            # for alarm, the steps are as right and only as fast as before. Anything else is a fault.
+            log = logger.info if isinstance(error, CaptureRefused) else logger.warning
+            log("%s run eagerly: capturing %s failed (%s)", steps, graphs, self.refused)
+            return False
+        logger.info("captured %s of batch size %d", graphs, size)
+        return True
 
     def due(self, size: int) -> bool:
         """Count a step of `size`; whether its graph should be captured now."""
@@ -146,8 +176,7 @@ class DecodeGraphRunner:
         self.logits: dict[int, torch.Tensor] = {}  # per size, the [bs, V] logits its replay writes
         self.capturer = capturer
         self.lazy = lazy
-        self.watch = None if lazy is None else _SizeWatch(lazy)
-        self.refused: str | None = None  # why a lazy capture failed: no size is captured after it
+        self.watch = None if lazy is None else SizeWatch(lazy)
         self.num_replays = 0  # decode steps replayed so far (for benchmarks and tests)
         backend.init_cuda_graph_state(self.batch_sizes)
         if lazy is None:
@@ -168,29 +197,23 @@ class DecodeGraphRunner:
         # Planning copies page tables from the host: it runs before capture, never inside it.
         self.backend.init_forward_metadata_capture(batch_size, self.out_cache_loc[:batch_size])
 
-    def takes(self, batch_size: int) -> bool:
+    @property
+    def refused(self) -> str | None:
+        """Why a lazy capture failed (no size is captured after it); None while none has."""
+        return None if self.watch is None else self.watch.refused
+
+    def takes(self, batch_size: int, unwatched: Callable[[], AbstractContextManager] = nullcontext) -> bool:
         """Whether a decode step of `batch_size` rows replays a graph; counts the step towards a lazy capture.
 
         Asked once per decode step that could replay (nothing watches it); the size's graph is captured
-        when `lazy` says.
+        when `lazy` says, under `unwatched()` (the step is live: its module calls must serve no one).
         """
         graph_size = self.padded_batch_size(batch_size)
         if graph_size is None:
             return False
-        if graph_size not in self.replays:
-            if not self.watch.due(graph_size) or self.refused is not None:
-                return False
-            try:
-                self._capture(graph_size)
-            except Exception as error:  # the step runs eagerly, and so does every later one
-                self.refused = f"{type(error).__name__}: {error}"
-                # A refusal is the model's forward being what it is (say, an MoE router reading the host): no
-                # cause for alarm, the steps are as right and only as fast as before. Anything else is a fault.
-                log = logger.info if isinstance(error, CaptureRefused) else logger.warning
-                log("decode steps run eagerly: capturing a decode graph failed (%s)", self.refused)
-                return False
-            logger.info("captured the decode graph of batch size %d", graph_size)
-        return True
+        return graph_size in self.replays or self.watch.capture_when_due(
+            graph_size, self._capture, unwatched, "decode steps", "a decode graph"
+        )
 
     @property
     def max_batch_size(self) -> int:

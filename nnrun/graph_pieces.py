@@ -39,7 +39,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from operator import is_
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -48,7 +48,7 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from nnrun.call_routing import routed_class
-from nnrun.cuda_graph import DecodeGraphRunner, GraphCapturer
+from nnrun.cuda_graph import DecodeGraphRunner, GraphCapturer, LazyCapture, SizeWatch
 
 logger = logging.getLogger(__name__)
 
@@ -175,8 +175,7 @@ class DecoderLayerPieces:
         self._capturing: tuple[int, GraphCapturer] | None = None
         self._step: _Step | None = None
         self.capturer: GraphCapturer | None = None  # the lazy captures' (`takes`)
-        self.steps_seen: dict[int, int] = {}  # per size not yet captured, the watched steps that asked for it
-        self.refused: str | None = None  # why a lazy capture failed: no size is captured after it
+        self.watch: SizeWatch | None = None  # when each size is captured, where sizes are captured lazily
         self._route()
 
     # ---- routing --------------------------------------------------------------------------
@@ -270,29 +269,30 @@ class DecoderLayerPieces:
                 raise RuntimeError(f"{missing} decoder layers were not called by a decode forward")
         logger.info("captured %d decoder-layer decode graphs per batch size %s", len(self.layers), list(batch_sizes))
 
-    def takes(self, batch_size: int) -> bool:
+    @property
+    def refused(self) -> str | None:
+        """Why a lazy capture failed (no size is captured after it); None while none has."""
+        return None if self.watch is None else self.watch.refused
+
+    def takes(self, batch_size: int, unwatched: Callable[[], AbstractContextManager] = nullcontext) -> bool:
         """Whether a watched decode step of `batch_size` rows runs in pieces; counts it towards a lazy capture.
 
         With lazy whole-step graphs (`DecodeGraphRunner.lazy`), a size's pieces are captured at its
-        `lazy.after`-th watched step, by the capturer `capture_decoder_layer_pieces` was given.
+        `lazy.after`-th watched step, under `unwatched()`, by the capturer `capture_decoder_layer_pieces` was given.
         """
         graph_size = self.graphs.padded_batch_size(batch_size)
         if graph_size is None:
             return False
-        if graph_size not in self.pieces:
-            self.steps_seen[graph_size] = self.steps_seen.get(graph_size, 0) + 1
-            if self.refused is not None or self.steps_seen[graph_size] < self.graphs.lazy.after:
-                return False
-            try:
-                self.capture(self.capturer, [graph_size])
-            except Exception as error:  # this step and every later one run their layers eagerly
-                self.pieces.pop(graph_size, None)
-                self.refused = f"{type(error).__name__}: {error}"
-                logger.warning(
-                    "watched decode steps run eagerly: capturing decoder-layer graphs failed (%s)", self.refused
-                )
-                return False
-        return True
+        return graph_size in self.pieces or self.watch.capture_when_due(
+            graph_size, self._capture_size, unwatched, "watched decode steps", "decoder-layer graphs"
+        )
+
+    def _capture_size(self, batch_size: int) -> None:
+        try:
+            self.capture(self.capturer, [batch_size])
+        except BaseException:
+            self.pieces.pop(batch_size, None)  # no half-captured size
+            raise
 
     def _capture_layer(self, eager: Callable, index: int, args: tuple, kwargs: dict) -> Any:
         batch_size, capturer = self._capturing
@@ -459,7 +459,8 @@ def capture_decoder_layer_pieces(
         return None
     pieces = DecoderLayerPieces(layers, graphs)
     pieces.capturer = capturer
-    if graphs.lazy is not None:  # each size at its `lazy.after`-th watched step (`takes`)
+    if graphs.lazy is not None:  # each size at its `lazy.after`-th watched step (`takes`), however fast
+        pieces.watch = SizeWatch(LazyCapture(graphs.lazy.after))
         return pieces
     try:
         pieces.capture(capturer, graphs.batch_sizes)

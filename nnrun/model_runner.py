@@ -194,13 +194,12 @@ class ModelRunner(KVPoolSetup):
             plan = self.device_graphs()
         if plan is None:
             return
-        capturer = plan.capturer
-        capturer = with_compiled_layers(capturer, self.model, self.config.device, self.own_forward)
+        capturer = with_compiled_layers(plan.capturer, self.model, device, self.own_forward)
         backend = self.attn_backend
         if not (backend.supports_cuda_graphs if capturer.captures_attention else backend.plans_graph_steps):
             logger.info("decode steps run eagerly: the %s attention backend cannot run in decode graphs", backend.name)
             return
-        sizes = self.config.device.cuda_graph_batch_sizes or plan.batch_sizes
+        sizes = device.cuda_graph_batch_sizes or plan.batch_sizes
         with self.step_lock:
             self.path.graphs = DecodeGraphRunner(
                 self.model, self.device, self.kv_pool.trash_slot, backend, sizes, capturer, plan.lazy
@@ -264,8 +263,7 @@ class ModelRunner(KVPoolSetup):
         """Whether this step replays a decode graph (asked once per step: it counts towards a lazy capture)."""
         if not (self._graphs_fit(forward_batch) and self.can_use_cuda_graph(forward_batch)):
             return False
-        with self.unwatched():
-            return self.graph_runner.takes(forward_batch.batch_size)
+        return self.graph_runner.takes(forward_batch.batch_size, self.unwatched)
 
     def unwatched(self) -> AbstractContextManager:
         """A seam: module calls inside serve no block (a lazy capture's runs, in the middle of a step)."""
@@ -293,10 +291,9 @@ class ModelRunner(KVPoolSetup):
         ):
             return None
         gate = self.piece_gate(forward_batch)
-        if gate is None:
+        if gate is None or not self.graph_pieces.takes(forward_batch.batch_size, self.unwatched):
             return None
-        with self.unwatched():
-            return gate if self.graph_pieces.takes(forward_batch.batch_size) else None
+        return gate
 
     def piece_gate(self, forward_batch: ForwardBatch) -> PieceGate | None:
         """A seam: which decoder layers of a watched decode step run eagerly (None: the whole step does)."""

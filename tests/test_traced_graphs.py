@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import nnrun
-from model_zoo import FAMILIES, make_model, random_prompts
+from model_zoo import FAMILIES, hf_logits, make_model, make_twin, random_prompts
 from nnrun.cuda_graph import CaptureRefused
 from nnrun.traced_graph import CPU_CAPTURE_AFTER, TracedCapturer
 from test_cuda_graphs import count_replays
+from tolerance import assert_close_packed
 
 MAX_TOKENS = [14, 9, 14, 6, 12]  # requests finish at different steps: the batch shrinks through several sizes
 
@@ -57,6 +58,28 @@ def test_replayed_decode_steps_give_the_eager_steps_tokens_and_logprobs_bitwise(
     assert replayed == eager, f"{family}: a replayed decode step differs from the eager one"
     # Every size the batch held for more than CPU_CAPTURE_AFTER steps was captured and then replayed
     assert 5 in graphs.replays and counts["count"] >= MAX_TOKENS[3] - CPU_CAPTURE_AFTER, family
+
+
+def test_batches_padded_to_the_sizes_asked_for_decode_as_hf():
+    """`cuda_graph_batch_sizes` on CPU: batches of 6, 5, 3 and 2 replay the graphs of 8, 4 and 2, their padding
+    rows writing the trash slot and attending to nothing; tokens are HF's and logprobs HF's to rounding (a padded
+    batch's matmuls round differently from the eager step's, so not bitwise)."""
+    model = make_model("llama")
+    oracle = make_twin(model)
+    prompts = random_prompts([3, 17, 9, 1, 30, 12], seed=7)
+    lengths = [8, 19, 12, 17, 24, 15]
+    llm = nnrun.LLM(model, max_num_seqs=8, cuda_graph_batch_sizes=[2, 4, 8])
+    counts = count_replays(llm)
+    outputs = llm.generate(prompts, [greedy(n) for n in lengths])
+    llm.runner.allocator.check_no_leaks()
+    assert sorted(llm.runner.graph_runner.replays) == [2, 4, 8] and counts["count"] > 0
+    for prompt, output in zip(prompts, outputs):
+        completion = output.outputs[0]
+        expected = torch.log_softmax(hf_logits(oracle, prompt + completion.token_ids), dim=-1)  # [T, V]
+        for i, token in enumerate(completion.token_ids):
+            row = expected[len(prompt) - 1 + i]
+            assert token == row.argmax().item()
+            assert_close_packed(torch.tensor(completion.logprobs[i][token]), row[token])
 
 
 def test_every_size_writes_its_logits_into_one_buffer():
@@ -242,10 +265,10 @@ def test_watched_steps_replay_the_layers_no_block_waits_in_with_the_eager_values
 
 
 def test_a_size_is_captured_once_its_steps_are_fast_enough_and_seen_often_enough():
-    from nnrun.cuda_graph import LazyCapture, _SizeWatch
+    from nnrun.cuda_graph import LazyCapture, SizeWatch
 
     now = [0.0]
-    watch = _SizeWatch(LazyCapture(after=3, below_s=0.010), clock=lambda: now[0])
+    watch = SizeWatch(LazyCapture(after=3, below_s=0.010), clock=lambda: now[0])
     decisions = []
     for step_seconds in (0.030, 0.030, 0.030, 0.004, 0.030):  # the fourth step of size 8 is a fast one
         decisions.append(watch.due(8))
