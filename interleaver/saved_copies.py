@@ -44,13 +44,10 @@ class Counter(Protocol):
         """The copies of the views `reserve` held, counted on the device."""
 
 
-def unpin_block_saves(
-    invocations: list[Invocation], memo: dict[int, Any], walked: dict[int, Walked] | None = None
-) -> None:
+def unpin_block_saves(invocations: list[Invocation], memo: dict[int, Any]) -> None:
     """Replace the saved views the blocks bound to names by copies (the copies are the saved values now)."""
     walk = SavedWalk(memo)
     for invocation in invocations:
-        walk.lists = {} if walked is None else walked.setdefault(id(invocation.job), {})
         walk.block_saves(invocation)
     walk.fill()
 
