@@ -121,17 +121,17 @@ class DeviceConfig:
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 32, ... up to max_num_seqs (256 at most)
     # Decode steps that blocks watch replay per-layer graphs around the watched layers (`graph_pieces.py`);
-    # off, such steps run eagerly. None: on with CUDA's graphs (checked on an H200, docs/gpu.md); off on CPU, where
-    # traced pieces cost more than they save (docs/benchmarks.md), and with a capturer a test passes.
+    # off, such steps run eagerly. None: on wherever decode graphs are (CUDA's, checked on an H200, docs/gpu.md;
+    # the CPU's traced pieces, each size captured lazily as its whole-step graph is, docs/benchmarks.md).
     cuda_graph_pieces: bool | None = None
     # The captured decode graphs run the decoder layers torch.compile'd (inductor fuses HF's elementwise ops);
     # eager steps keep HF's modules (nnrun/compiled_layers.py). Off: compiling costs start-up time.
     compile_decoder_layers: bool = False
     torch_dtype: torch.dtype = field(init=False)
 
-    def graph_pieces_on(self, device: torch.device) -> bool:
-        """`cuda_graph_pieces`, or its default: on for a CUDA device (the CPU capture stand-in asks for them)."""
-        return device.type == "cuda" if self.cuda_graph_pieces is None else self.cuda_graph_pieces
+    def graph_pieces_on(self) -> bool:
+        """`cuda_graph_pieces`, or its default: on with any device's decode graphs."""
+        return self.cuda_graph_pieces is not False
 
     def __post_init__(self) -> None:
         device = str(self.device)

@@ -189,7 +189,7 @@ class ModelRunner(KVPoolSetup):
         device = self.config.device
         if capturer is not None:
             sizes = default_batch_sizes(self.config.scheduler.max_num_seqs)
-            plan = GraphPlan(capturer, None, sizes, device.graph_pieces_on(self.device))
+            plan = GraphPlan(capturer, None, sizes, device.graph_pieces_on())
         else:
             plan = self.device_graphs()
         if plan is None:
@@ -220,16 +220,12 @@ class ModelRunner(KVPoolSetup):
         max_num_seqs, device = self.config.scheduler.max_num_seqs, self.config.device
         if self.device.type == "cuda":
             sizes = default_batch_sizes(max_num_seqs)
-            return GraphPlan(CudaGraphCapturer(self.device), None, sizes, device.graph_pieces_on(self.device))
+            return GraphPlan(CudaGraphCapturer(self.device), None, sizes, device.graph_pieces_on())
         if self.device.type == "cpu" and self.config.parallel.tensor_parallel_size == 1:
             sizes = list(range(1, max_num_seqs + 1))
-            # Pieces only when asked (each size's then captured lazily too): a CPU decode layer of a model worth
-            # tracing is its matmuls, which a replay runs no faster, while a piece's loads and copies cost more
-            # than the Python they save (a 30M Llama's watched steps: 8% slower; docs/benchmarks.md)
-            pieces = device.cuda_graph_pieces is True
             num_layers = len(decoder_layers(self.model) or ()) or 1
             lazy = LazyCapture(CPU_CAPTURE_AFTER, CPU_CAPTURE_BELOW_S_PER_LAYER * num_layers)
-            return GraphPlan(TracedCapturer(self.attn_backend, max_num_seqs), lazy, sizes, pieces)
+            return GraphPlan(TracedCapturer(self.attn_backend, max_num_seqs), lazy, sizes, device.graph_pieces_on())
         return None
 
     def own_forward(self, module: torch.nn.Module) -> Callable | None:

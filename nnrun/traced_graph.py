@@ -250,16 +250,22 @@ class _Program:
         reads: list[int] = []
         made: set[int] = set()
         writes: list[int] = []
+        changed: list[int] = []  # read tensors an op changes in place (a static output buffer's `copy_`)
         for _, _, args, kwargs, outputs in run:
             for leaf in tree_flatten((args, kwargs))[0]:
                 if isinstance(leaf, _Slot) and leaf.index not in made and leaf.index not in reads:
                     reads.append(leaf.index)
             for slot in outputs:
-                if slot not in made and slot not in reads:  # an in-place op on a read tensor changes it where it is
+                if slot in reads:  # an in-place op on a read tensor changes it where it is
+                    changed.append(slot)
+                elif slot not in made:
                     made.add(slot)
                     if slot in read_later:
                         writes.append(slot)
         ops = [(func, args, kwargs, outputs) for _, func, args, kwargs, outputs in run]
+        # The traced function returns what later steps read; a run whose only effect is in place returns the
+        # tensors it changed, which the tracer needs as outputs (the piece stores nothing of them)
+        returned = writes or list(dict.fromkeys(changed))
 
         def run_ops(*tensors: torch.Tensor) -> tuple:
             env = dict(zip(reads, tensors))
@@ -267,9 +273,9 @@ class _Program:
                 result = func(*_fill(args, env), **_fill(kwargs, env))
                 for slot, value in zip(outputs, _tensors(result)):
                     env[slot] = value
-            return tuple(env[slot] for slot in writes)
+            return tuple(env[slot] for slot in returned)
 
-        if not reads or not writes:  # nothing to hand the tracer (a run of factories, or of writes in place)
+        if not reads or not returned:  # nothing to hand the tracer (a run of factories, or of nothing read later)
             return _Piece(run_ops, reads, writes)
         return _Piece(_traced(run_ops, [captured[slot].detach() for slot in reads]), reads, writes)
 

@@ -331,14 +331,12 @@ def test_cuda_pieces_equal_the_eager_step_on_flashinfer():
         eager.shutdown()
 
 
-def test_pieces_default_on_for_cuda_devices_only():
-    """Unset, pieces are captured on CUDA (checked on an H200); the CPU capture stand-in asks for them."""
+def test_pieces_default_on_wherever_decode_graphs_are():
+    """Unset, pieces come with any device's decode graphs (CUDA's, the CPU's traced ones); False turns them off."""
     from nnrun.config import DeviceConfig
 
-    unset = DeviceConfig()
-    assert unset.graph_pieces_on(torch.device("cuda", 0)) and not unset.graph_pieces_on(torch.device("cpu"))
-    assert not DeviceConfig(cuda_graph_pieces=False).graph_pieces_on(torch.device("cuda", 0))
-    assert DeviceConfig(cuda_graph_pieces=True).graph_pieces_on(torch.device("cpu"))
+    assert DeviceConfig().graph_pieces_on() and DeviceConfig(cuda_graph_pieces=True).graph_pieces_on()
+    assert not DeviceConfig(cuda_graph_pieces=False).graph_pieces_on()
 
 
 # ---- a layer watched only at its boundary replays inside its handoffs (issue 35) ---------------

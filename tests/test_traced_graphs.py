@@ -16,6 +16,7 @@ import torch
 
 import nnrun
 from model_zoo import FAMILIES, hf_logits, make_model, make_twin, random_prompts
+from nnrun import traced_graph
 from nnrun.cuda_graph import CaptureRefused
 from nnrun.traced_graph import CPU_CAPTURE_AFTER, TracedCapturer
 from test_cuda_graphs import count_replays
@@ -140,14 +141,15 @@ def test_a_forward_that_reads_a_tensor_on_the_host_decodes_eagerly_and_says_why(
     assert [r.levelno for r in refusals] == [logging.INFO]  # said once, and not as a warning: nothing is wrong
 
 
-def test_watched_steps_run_eagerly_on_cpu_unless_pieces_are_asked_for():
+def test_watched_steps_run_in_pieces_on_cpu_unless_turned_off():
     from conformance.models import tiny_llama, tiny_tokenizer
 
-    lm = nnrun.LanguageModel(tiny_llama(seed=4, num_layers=2), tokenizer=tiny_tokenizer())
-    try:
-        assert lm.engine.runner.graph_pieces is None
-    finally:
-        lm.shutdown()
+    for option, expected in ((None, True), (False, False)):
+        lm = nnrun.LanguageModel(tiny_llama(seed=4, num_layers=2), tokenizer=tiny_tokenizer(), cuda_graph_pieces=option)
+        try:
+            assert (lm.engine.runner.graph_pieces is not None) is expected
+        finally:
+            lm.shutdown()
 
 
 def test_graphs_off_decode_eagerly():
@@ -199,6 +201,35 @@ def test_a_traced_capture_replays_the_ops_on_the_tensors_read_and_runs_the_eager
     assert backend.calls == 6 and "forward" not in vars(backend)  # each replay called it once; unpatched after
 
 
+def test_a_run_whose_only_effect_is_a_write_in_place_is_traced_too(monkeypatch):
+    """A decoder-layer piece ends by copying its output into a static buffer, which nothing later in the recording
+    reads: that last run is traced like the others (it used to run op by op in Python, slower than eager)."""
+    traced, trace = [], traced_graph._traced
+
+    def counting_trace(run, example):
+        traced.append(run)
+        return trace(run, example)
+
+    monkeypatch.setattr(traced_graph, "_traced", counting_trace)
+    backend = _EagerCalls()
+    weight = torch.randn(4, 4)
+    step_input = torch.randn(3, 4)  # [3, 4] a static input buffer
+    static_output = torch.zeros(3, 4)  # [3, 4] a static output buffer
+
+    def piece() -> None:
+        q = (step_input @ weight).view(3, 2, 2)
+        out = backend.forward(0, q, q, q, None)  # left eager between the two runs, as attention is
+        static_output.copy_(torch.tanh(out.reshape(3, 4)))
+
+    replay, output = TracedCapturer(backend).capture(piece)
+    assert output is None and len(traced) == 2  # the runs before and after the eager call
+    for _ in range(2):
+        step_input.copy_(torch.randn(3, 4))
+        replay()
+        q = (step_input @ weight).view(3, 2, 2)
+        assert torch.equal(static_output, torch.tanh((q * q.sum() + q).reshape(3, 4)))
+
+
 @pytest.mark.parametrize(
     "read", [lambda x: int(x.argmax()), lambda x: x.max().item(), lambda x: x.tolist()[0], lambda x: x.numpy()[0]]
 )
@@ -226,7 +257,7 @@ def test_a_host_read_inside_an_attention_call_is_the_backends_own():
 
 
 def test_watched_steps_replay_the_layers_no_block_waits_in_with_the_eager_values():
-    """Decoder-layer pieces on CPU (asked for): a block reads layer 1 and steers layer 2 every step; the other layers
+    """Decoder-layer pieces on CPU (the default): a block reads layer 1 and steers layer 2 every step; the other layers
     replay their traced pieces once their size is captured, and every value equals the all-eager run's."""
     from conformance.models import tiny_llama, tiny_tokenizer, twin
 
@@ -247,7 +278,7 @@ def test_watched_steps_replay_the_layers_no_block_waits_in_with_the_eager_values
         return torch.stack(list(read)), ids
 
     eager = nnrun.LanguageModel(twin(model), tokenizer=tiny_tokenizer(), enable_cuda_graphs=False)
-    ours = nnrun.LanguageModel(model, tokenizer=tiny_tokenizer(), cuda_graph_pieces=True)  # opt-in on CPU
+    ours = nnrun.LanguageModel(model, tokenizer=tiny_tokenizer())
     try:
         replayed = []
         gate = ours.engine.runner.watched_layers
