@@ -171,6 +171,7 @@ class DecoderLayerPieces:
         self.layers = list(layers)
         self.graphs = graphs
         self.pieces: dict[int, dict[int, _Piece]] = {}  # batch size -> layer index -> piece
+        self.num_replays = 0  # layer calls replayed so far (for benchmarks and tests)
         self._buffers: dict[int, dict[tuple, torch.Tensor]] = {}  # batch size -> key -> static shared by layers
         self._capturing: tuple[int, GraphCapturer] | None = None
         self._step: _Step | None = None
@@ -248,6 +249,7 @@ class DecoderLayerPieces:
             rows.copy_(leaf)
             loaded[id(static)] = (leaf, version)
         piece.replay()
+        self.num_replays += 1
         # Fresh copies: the next layer's replay rewrites the shared buffers.
         outputs = [value.clone() if isinstance(value, torch.Tensor) else value for value in plan.outputs]
         return outputs[0] if piece.out_spec is None else tree_unflatten(outputs, piece.out_spec)
