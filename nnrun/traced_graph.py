@@ -100,6 +100,8 @@ class _Recorder(TorchDispatchMode):
         if func in HOST_SYNC_OPS:
             raise CaptureRefused(f"{func} reads a tensor on the host, whose value a replay would freeze")
         output = func(*args, **kwargs)
+        if args and output is args[0] and not func._schema.is_mutable:
+            return output  # returned its input untouched (`to` its own dtype): a replay would too, as shapes are fixed
         self.calls.append(_Op(func, args, kwargs, output))
         return output
 
