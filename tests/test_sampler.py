@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from nnrun.sampler import Sampler, SamplingRow, apply_penalties, compute_logprobs
+from nnrun.sampler import Sampler, SamplingRow, apply_penalties, compute_logprobs, row_argmax
 from nnrun.sampling_params import SamplingParams
 
 NEG_INF = float("-inf")
@@ -73,6 +73,28 @@ def test_greedy_equals_argmax_and_consumes_no_rng():
     assert out.token_ids.dtype == torch.int64
     assert torch.equal(torch.get_rng_state(), rng_state)
     assert torch.equal(generator.get_state(), generator_state)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_row_argmax_is_torch_argmax_on_ties_nan_and_infinities(dtype):
+    """The greedy pick is HF's (`torch.argmax`) where it matters most: the first of tied values, the first NaN of a row
+    that has one, +inf, rows all -inf; on shapes from one row and one token up to a vocabulary's width."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(24):
+        rows, width = [(1, 1), (1, 7), (5, 256), (33, 1000), (300, 4099), (2, 32000)][trial % 6]
+        logits = torch.randn(rows, width, generator=generator)
+        kind = trial // 6
+        if kind == 1:
+            logits = logits.round()  # many ties, some at the maximum
+        elif kind == 2:
+            logits[torch.rand(rows, width, generator=generator) < 0.02] = float("nan")
+            logits[0, -1] = float("nan")
+        elif kind == 3:
+            logits[torch.rand(rows, width, generator=generator) < 0.5] = NEG_INF
+            logits[0] = NEG_INF
+            logits[-1, width // 2 :] = float("inf")
+        logits = logits.to(dtype)
+        assert torch.equal(row_argmax(logits), logits.argmax(dim=-1)), (trial, rows, width)
 
 
 def test_greedy_with_penalties_equals_argmax_of_hand_penalized_logits():

@@ -29,7 +29,7 @@ from nnrun.config import EngineConfig
 from nnrun.cuda_graph import GraphCapturer
 from nnrun.extract.hooks import ActivationCapture
 from nnrun.model_runner import ModelRunner
-from nnrun.sampler import SamplerOutput
+from nnrun.sampler import SamplerOutput, row_argmax
 from nnrun.tp.profiling import CollectiveTimer
 
 PARENT_POLL_S = 0.5  # how often a rank checks that its front end is still alive
@@ -259,7 +259,7 @@ def _serve_steps(runner: ShardRunner, conn: Connection, rank: int) -> None:
         if rank != 0:
             continue
         if wire.step_reply(message) is wire.StepReply.ARGMAX:  # as the front end's sampler picks a greedy row
-            reply = wire.encode_tensor(wire.MessageKind.TOKEN_IDS, logits.float().argmax(dim=-1))  # [R]
+            reply = wire.encode_tensor(wire.MessageKind.TOKEN_IDS, row_argmax(logits.float()))  # [R]
         else:
             reply = wire.encode_tensor(wire.MessageKind.LOGITS, logits)
         for part in reply:
