@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow  # every causal LM family twice: a few minutes on 
 MAX_TOKENS = (8, 5, 7)  # requests finish at different steps: sizes 3, 2 and 1 are captured and replayed
 
 
-def _decode(model: torch.nn.Module, graphs: bool):
+def _decode(model: torch.nn.Module, graphs: bool) -> tuple | None:
     """The three prompts' tokens and logprobs, and the engine's decode graphs (None: none taken); None if refused."""
     import nnrun
     from nnrun.exact import ModelRefusedError
@@ -46,25 +46,38 @@ def _decode(model: torch.nn.Module, graphs: bool):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("model_type", causal_lm_families())
-def test_replayed_decode_steps_equal_the_eager_ones_bitwise(model_type, monkeypatch):
+@pytest.fixture
+def capture_at_first_step(monkeypatch):
+    """Each batch size captured at its first step that could replay it, however slow the machine."""
     from nnrun import model_runner
 
     monkeypatch.setattr(model_runner, "CPU_CAPTURE_AFTER", 1)
-    monkeypatch.setattr(model_runner, "CPU_CAPTURE_BELOW_S_PER_LAYER", math.inf)  # however slow the machine
+    monkeypatch.setattr(model_runner, "CPU_CAPTURE_BELOW_S_PER_LAYER", math.inf)
+
+
+def _eager_then_graphs(model_type: str, run, cannot: str) -> tuple:
+    """`run(model, False)` and `run(model, True)` on the family's tiny model; a skip where the first cannot run.
+
+    What nnrun does with a family that cannot run at all is the family sweep's to check (test_family_sweep.py).
+    """
     try:
         model = tiny_model(model_type)
-    except Exception as error:  # the family sweep (test_family_sweep.py) says why it cannot be built
+    except Exception as error:
         pytest.skip(f"{model_type} cannot be built tiny: {type(error).__name__}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            eager = _decode(model, graphs=False)
-        except Exception as error:  # the family sweep checks what nnrun does with it
-            pytest.skip(f"{model_type} does not decode on nnrun: {type(error).__name__}")
+            eager = run(model, False)
+        except Exception as error:
+            pytest.skip(f"{model_type} {cannot} on nnrun: {type(error).__name__}")
         if eager is None:
-            pytest.skip(f"{model_type} is refused by name")
-        replayed, graphs = _decode(model, graphs=True)
+            pytest.skip(f"{model_type} is refused by name, or has no decoder-layer list")
+        return eager, run(model, True)
+
+
+@pytest.mark.parametrize("model_type", causal_lm_families())
+def test_replayed_decode_steps_equal_the_eager_ones_bitwise(model_type, capture_at_first_step):
+    eager, (replayed, graphs) = _eager_then_graphs(model_type, _decode, "does not decode")
     assert replayed == eager[0], f"{model_type}: a replayed decode step differs from the eager one"
     if graphs is not None and graphs.refused is None:  # captured: sizes 3, 2 and 1 each replayed
         assert sorted(graphs.replays) == [1, 2, 3], f"{model_type}: captured {sorted(graphs.replays)}"
@@ -118,26 +131,10 @@ def _flat_tensors(values) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("model_type", causal_lm_families())
-def test_watched_steps_in_pieces_equal_the_eager_ones_bitwise(model_type, monkeypatch):
+def test_watched_steps_in_pieces_equal_the_eager_ones_bitwise(model_type, capture_at_first_step):
     """Pieces are on by default on CPU: each family's watched decode steps replay the layers no block waits in,
-    captured at the first watched step here; every value read and every token equals the all-eager run's."""
-    from nnrun import model_runner
-
-    monkeypatch.setattr(model_runner, "CPU_CAPTURE_AFTER", 1)
-    monkeypatch.setattr(model_runner, "CPU_CAPTURE_BELOW_S_PER_LAYER", math.inf)
-    try:
-        model = tiny_model(model_type)
-    except Exception as error:
-        pytest.skip(f"{model_type} cannot be built tiny: {type(error).__name__}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        try:
-            eager = _watched(model, pieces=False)
-        except Exception as error:  # the family sweep checks what nnrun does with it
-            pytest.skip(f"{model_type} is not traced on nnrun: {type(error).__name__}")
-        if eager is None:
-            pytest.skip(f"{model_type} is refused by name or has no decoder-layer list")
-        read, pieces = _watched(model, pieces=True)
+    captured at the first watched step here; every value read equals the all-eager run's."""
+    eager, (read, pieces) = _eager_then_graphs(model_type, _watched, "is not traced")
     ours, theirs = _flat_tensors(read), _flat_tensors(eager[0])
     assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs)), (
         f"{model_type}: a value read in a pieces step differs from the eager step's"
