@@ -267,9 +267,10 @@ class DecodeGraphRunner:
         self.input_ids[:batch_size].copy_(forward_batch.input_ids, non_blocking=True)
         self.positions[:batch_size].copy_(forward_batch.positions, non_blocking=True)
         self.out_cache_loc[:batch_size].copy_(forward_batch.out_cache_loc, non_blocking=True)
-        # Rows a larger earlier batch filled would write into live requests' KV: point them at the trash.
-        self.input_ids[batch_size:graph_size].zero_()
-        self.positions[batch_size:graph_size].zero_()
-        self.out_cache_loc[batch_size:graph_size].fill_(self.trash_slot)
+        if graph_size > batch_size:  # padding rows (CPU graphs have none: each size is its own)
+            # Rows a larger earlier batch filled would write into live requests' KV: point them at the trash.
+            self.input_ids[batch_size:graph_size].zero_()
+            self.positions[batch_size:graph_size].zero_()
+            self.out_cache_loc[batch_size:graph_size].fill_(self.trash_slot)
         self.backend.init_forward_metadata_replay(graph_size, forward_batch, self.out_cache_loc[:graph_size])
         return graph_size
