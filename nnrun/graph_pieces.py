@@ -48,7 +48,7 @@ import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from nnrun.call_routing import routed_class
-from nnrun.cuda_graph import DecodeGraphRunner, GraphCapturer, LazyCapture, SizeWatch
+from nnrun.cuda_graph import DecodeGraphRunner, GraphCapturer, SizeWatch
 
 logger = logging.getLogger(__name__)
 
@@ -279,8 +279,8 @@ class DecoderLayerPieces:
     def takes(self, batch_size: int, unwatched: Callable[[], AbstractContextManager] = nullcontext) -> bool:
         """Whether a watched decode step of `batch_size` rows runs in pieces; counts it towards a lazy capture.
 
-        With lazy whole-step graphs (`DecodeGraphRunner.lazy`), a size's pieces are captured at its
-        `lazy.after`-th watched step, under `unwatched()`, by the capturer `capture_decoder_layer_pieces` was given.
+        With lazy whole-step graphs (`DecodeGraphRunner.lazy`), a size's pieces are captured when its watched steps
+        meet that rule, under `unwatched()`, by the capturer `capture_decoder_layer_pieces` was given.
         """
         graph_size = self.graphs.padded_batch_size(batch_size)
         if graph_size is None:
@@ -461,8 +461,11 @@ def capture_decoder_layer_pieces(
         return None
     pieces = DecoderLayerPieces(layers, graphs)
     pieces.capturer = capturer
-    if graphs.lazy is not None:  # each size at its `lazy.after`-th watched step (`takes`), however fast
-        pieces.watch = SizeWatch(LazyCapture(graphs.lazy.after))
+    if graphs.lazy is not None:
+        # Each size by the whole-step graphs' rule, counted on watched steps (`takes`): at the `lazy.after`-th,
+        # if the fastest took under `lazy.below_s`. A replay saves a layer's Python, not its math: a model whose
+        # layers are their matmuls would pay a capture (a few of its slow steps) for nothing.
+        pieces.watch = SizeWatch(graphs.lazy)
         return pieces
     try:
         pieces.capture(capturer, graphs.batch_sizes)

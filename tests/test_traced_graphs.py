@@ -320,3 +320,22 @@ def test_steps_too_slow_for_a_capture_to_pay_decode_eagerly(monkeypatch):
     replayed, llm = generate(model, True, [greedy(16)] * 2, prompts)
     graphs = llm.runner.graph_runner
     assert replayed == eager and not graphs.replays and graphs.watch.seen[2] == 15
+
+
+def test_watched_steps_too_slow_for_a_capture_to_pay_run_eagerly(monkeypatch):
+    """Pieces keep the whole-step graphs' rule: where watched steps take longer than the limit, no size's pieces are
+    captured (a model whose layers are their matmuls would pay a capture for nothing), and the values are eager."""
+    from conformance.models import tiny_llama, tiny_tokenizer
+    from nnrun import model_runner
+
+    monkeypatch.setattr(model_runner, "CPU_CAPTURE_BELOW_S_PER_LAYER", 0.0)
+    lm = nnrun.LanguageModel(tiny_llama(seed=4, num_layers=2), tokenizer=tiny_tokenizer())
+    try:
+        with lm.generate(max_new_tokens=10) as tracer:
+            with tracer.invoke("the eiffel tower is in the city of"):
+                for _ in tracer.all():
+                    lm.model.layers[1].output[:] *= 1.5
+        pieces = lm.engine.runner.graph_pieces
+        assert not pieces.pieces and pieces.num_replays == 0 and pieces.watch.seen[1] >= CPU_CAPTURE_AFTER
+    finally:
+        lm.shutdown()
