@@ -72,15 +72,24 @@ class PieceGate(Protocol):
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
-    """The model's list of decoder layers: the first ModuleList as long as the text config's layer count."""
+    """The model's list of decoder layers: the first ModuleList as long as the text config's layer count, looked for
+    in HF's text decoder (`get_decoder()`) first: a vision or audio tower may hold a list of that length too."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     num_layers = getattr(config, "num_hidden_layers", None)
     if not num_layers:
         return None
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
-            return module
+    for root in (_text_decoder(model), model):
+        for module in root.modules():
+            if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
+                return module
     return None
+
+
+def _text_decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """HF's text decoder of `model` (`get_decoder()`), or the model itself where it names none."""
+    get_decoder = getattr(model, "get_decoder", None)  # (every causal LM family's tiny model answers it)
+    decoder = get_decoder() if callable(get_decoder) else None
+    return decoder if isinstance(decoder, torch.nn.Module) else model
 
 
 @dataclass

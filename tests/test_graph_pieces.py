@@ -499,3 +499,16 @@ def test_generate_conformance_scenarios_with_pieces(conformance_models, name):
     """nnsight's generate scenarios save on nnrun with graph pieces what they save on nnsight on HF."""
     oracle, ours = conformance_models
     assert_scenario_same(name, oracle, ours, tiny_tokenizer())
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "got_ocr2"])
+def test_the_decoder_layers_are_the_text_decoders_not_a_towers_of_the_same_length(model_type):
+    """A multimodal model's vision tower may hold a layer list as long as the text config's: the pieces route the
+    text decoder's layers (HF's `get_decoder()`), the ones a decode step calls."""
+    from families.tiny import tiny_model
+    from nnrun.graph_pieces import decoder_layers
+
+    model = tiny_model(model_type)
+    towers = [m for name, m in model.named_modules() if "vision" in name and isinstance(m, torch.nn.ModuleList)]
+    assert any(len(tower) == len(model.get_decoder().layers) for tower in towers)  # the trap is there
+    assert decoder_layers(model) is model.get_decoder().layers
