@@ -9,7 +9,7 @@ is allowed, a difference is not.
 
 Decoder-layer pieces are on by default too: the second sweep reads a middle layer and steers the next one at
 every decode step of a generation, pieces captured at the first watched step, against the same with pieces off.
-At the time of writing: 113 families replay pieces, bitwise equal; dbrx, jetmoe and gemma3n_text are refused at
+At the time of writing: 116 families replay pieces, bitwise equal; dbrx, jetmoe and gemma3n_text are refused at
 capture (host reads) and stay eager; 59 take no graphs (state pools, the exact path, DSA indexers).
 """
 
