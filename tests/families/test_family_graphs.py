@@ -9,7 +9,7 @@ is allowed, a difference is not.
 
 Decoder-layer pieces are on by default too: the second sweep reads a middle layer and steers the next one at
 every decode step of a generation, pieces captured at the first watched step, against the same with pieces off.
-At the time of writing: 116 families replay pieces, bitwise equal; dbrx, jetmoe and gemma3n_text are refused at
+At the time of writing: 117 families replay pieces, bitwise equal; dbrx, jetmoe and gemma3n_text are refused at
 capture (host reads) and stay eager; 59 take no graphs (state pools, the exact path, DSA indexers).
 """
 
@@ -117,7 +117,7 @@ def _watched(model: torch.nn.Module, pieces: bool):
                     for _ in tracer.all():
                         read.append(envoy_layers[read_at].output)
                         out = envoy_layers[steer_at].output
-                        hidden = out[0] if isinstance(out, tuple) else out
+                        hidden = out[0] if isinstance(out, (tuple, list)) else out
                         hidden[:] = hidden * 1.5
         return list(read), lm.engine.runner.graph_pieces
     finally:
