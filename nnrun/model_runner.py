@@ -225,7 +225,11 @@ class ModelRunner(KVPoolSetup):
             sizes = list(range(1, max_num_seqs + 1))
             num_layers = len(decoder_layers(self.model) or ()) or 1
             lazy = LazyCapture(CPU_CAPTURE_AFTER, CPU_CAPTURE_BELOW_S_PER_LAYER * num_layers)
-            return GraphPlan(TracedCapturer(self.attn_backend, max_num_seqs), lazy, sizes, device.graph_pieces_on())
+            # Attention joins the traces unless sizes asked for pad some batches (`TracedCapturer.folds_attention`)
+            asked = device.cuda_graph_batch_sizes
+            folds = not asked or sorted(asked) == list(range(1, max(asked) + 1))
+            capturer = TracedCapturer(self.attn_backend, max_num_seqs, folds_attention=folds)
+            return GraphPlan(capturer, lazy, sizes, device.graph_pieces_on())
         return None
 
     def own_forward(self, module: torch.nn.Module) -> Callable | None:

@@ -19,6 +19,7 @@ eagerly where a capture is refused (`cuda_graph.DecodeGraphRunner`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -29,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from nnrun.attention import AttentionBackend
+from nnrun.attention.base import DecodeOps
 from nnrun.cuda_graph import CaptureRefused
 
 # Ops that read a tensor on the host, or whose output's size depends on its data: a value a replay would freeze
@@ -81,6 +83,7 @@ class _AttentionCall:
     v: torch.Tensor  # [N, Hkv, Dv]
     terms: Any  # ScoreTerms, its tensor fields mapped like the other arguments
     output: torch.Tensor  # [N, Hq, Dv]
+    ops: DecodeOps | None = None  # the call as ops the trace takes in (`AttentionBackend.decode_ops`), or None
 
 
 class _Recorder(TorchDispatchMode):
@@ -167,14 +170,24 @@ def _fill(template: Any, env: dict[int, torch.Tensor] | list) -> Any:
 
 @dataclass
 class _Piece:
-    """A run of ops between two attention calls, traced: reads `reads` slots, writes `writes` slots."""
+    """A run of ops between two attention calls the backend runs itself, traced: reads `reads` slots, writes
+    `writes` slots. Calls it gave as ops (`folded`) are in the trace, which reads their step inputs last; a step
+    that one of them does not fit (`DecodeOps.fits`) runs the run op by op, those calls the backend's own."""
 
     run: Callable[..., tuple]
     reads: list[int]
     writes: list[int]
+    folded: list[DecodeOps]
+    eager_attention: Callable[..., tuple]
 
     def __call__(self, env: list) -> None:
-        outputs = self.run(*[env[slot] for slot in self.reads])
+        tensors = [env[slot] for slot in self.reads]
+        if not self.folded:
+            outputs = self.run(*tensors)
+        elif all(ops.fits() for ops in self.folded):
+            outputs = self.run(*tensors, *[tensor for ops in self.folded for tensor in ops.inputs()])
+        else:
+            outputs = self.eager_attention(*tensors)
         for slot, value in zip(self.writes, outputs):
             env[slot] = value
 
@@ -210,7 +223,9 @@ class _Program:
             if isinstance(call, _AttentionCall):
                 reads = [slots.read(tensor).index for tensor in (call.q, call.k, call.v)]
                 term_slots = {name: slots.read(tensor).index for name, tensor in _term_tensors(call.terms).items()}
-                steps.append(("attention", call, reads, term_slots, slots.make(call.output).index))
+                # A call the backend gave as ops joins the traced run around it; any other splits the runs
+                kind = "folded" if call.ops is not None and not term_slots else "attention"
+                steps.append((kind, call, reads, term_slots, slots.make(call.output).index))
             else:
                 args, kwargs = slots.template(call.args), slots.template(call.kwargs)
                 made = [slots.make(tensor).index for tensor in _tensors(call.output)]
@@ -232,7 +247,7 @@ class _Program:
                 _, call, (q, k, v), term_slots, made = run[0]
                 self.steps.append(_EagerAttention(forward, call.layer_idx, q, k, v, call.terms, term_slots, made))
             elif run:
-                self.steps.append(self._trace(run, later_reads[position], slots.captured))
+                self.steps.append(self._trace(run, later_reads[position], slots.captured, forward))
 
     def _later_reads(self, runs: list[list[tuple]]) -> list[set[int]]:
         """For each run, the slots some later run (or the result) reads."""
@@ -241,22 +256,28 @@ class _Program:
         for run in reversed(runs):
             later.append(set(seen))
             for step in run:
-                if step[0] == "attention":
+                if step[0] != "op":
                     seen.update(step[2])
                     seen.update(step[3].values())
                 else:
                     seen.update(leaf.index for leaf in tree_flatten((step[2], step[3]))[0] if isinstance(leaf, _Slot))
         return list(reversed(later))
 
-    def _trace(self, run: list[tuple], read_later: set[int], captured: list[torch.Tensor]) -> _Piece:
+    def _trace(self, run: list[tuple], read_later: set[int], captured: list[torch.Tensor], forward: Callable) -> _Piece:
         reads: list[int] = []
         made: set[int] = set()
         writes: list[int] = []
         changed: list[int] = []  # read tensors an op changes in place (a static output buffer's `copy_`)
-        for _, _, args, kwargs, outputs in run:
-            for leaf in tree_flatten((args, kwargs))[0]:
-                if isinstance(leaf, _Slot) and leaf.index not in made and leaf.index not in reads:
-                    reads.append(leaf.index)
+        folded: list[DecodeOps] = []  # the run's attention calls as ops, in order (each adds its step's inputs)
+        for kind, what, args, kwargs, outputs in run:
+            if kind == "folded":
+                folded.append(what.ops)
+                slots_read, outputs = args, [outputs]
+            else:
+                slots_read = [leaf.index for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, _Slot)]
+            for index in slots_read:
+                if index not in made and index not in reads:
+                    reads.append(index)
             for slot in outputs:
                 if slot in reads:  # an in-place op on a read tensor changes it where it is
                     changed.append(slot)
@@ -264,22 +285,35 @@ class _Program:
                     made.add(slot)
                     if slot in read_later:
                         writes.append(slot)
-        ops = [(func, args, kwargs, outputs) for _, func, args, kwargs, outputs in run]
         # The traced function returns what later steps read; a run whose only effect is in place returns the
         # tensors it changed, which the tracer needs as outputs (the piece stores nothing of them)
         returned = writes or list(dict.fromkeys(changed))
+        num_inputs = [len(ops.inputs()) for ops in folded]
 
-        def run_ops(*tensors: torch.Tensor) -> tuple:
+        def run_ops(*tensors: torch.Tensor, eager_attention: bool = False) -> tuple:
+            """The run's ops on the read tensors, then (past them) each folded call's step inputs in order; with
+            `eager_attention`, the folded calls are the backend's ordinary calls instead (no step inputs)."""
             env = dict(zip(reads, tensors))
-            for func, args, kwargs, outputs in ops:
-                result = func(*_fill(args, env), **_fill(kwargs, env))
-                for slot, value in zip(outputs, _tensors(result)):
-                    env[slot] = value
+            step_inputs = iter(tensors[len(reads) :])
+            folded_calls = iter(num_inputs)
+            for kind, what, args, kwargs, outputs in run:
+                if kind == "op":
+                    result = what(*_fill(args, env), **_fill(kwargs, env))
+                    for slot, value in zip(outputs, _tensors(result)):
+                        env[slot] = value
+                    continue
+                q, k, v = (env[slot] for slot in args)
+                if eager_attention:
+                    env[outputs] = forward(what.layer_idx, q, k, v, what.terms)
+                else:
+                    env[outputs] = what.ops.run(q, k, v, *[next(step_inputs) for _ in range(next(folded_calls))])
             return tuple(env[slot] for slot in returned)
 
         if not reads or not returned:  # nothing to hand the tracer (a run of factories, or of nothing read later)
-            return _Piece(run_ops, reads, writes)
-        return _Piece(_traced(run_ops, [captured[slot].detach() for slot in reads]), reads, writes)
+            return _Piece(run_ops, reads, writes, folded, functools.partial(run_ops, eager_attention=True))
+        example = [captured[slot].detach() for slot in reads] + [t for ops in folded for t in ops.inputs()]
+        traced = _traced(run_ops, example)
+        return _Piece(traced, reads, writes, folded, functools.partial(run_ops, eager_attention=True))
 
     def replay(self, out: torch.Tensor | None) -> None:
         env = list(self.initial)
@@ -302,12 +336,18 @@ class TracedCapturer:
 
     captures_attention = False  # the backend's calls run eagerly at replay, planned by the backend per step
 
-    def __init__(self, backend: AttentionBackend, max_rows: int = 1) -> None:
+    def __init__(self, backend: AttentionBackend, max_rows: int = 1, folds_attention: bool = True) -> None:
         """`max_rows`: the most rows a captured output has (the largest batch): the outputs of all captures with the
         same trailing shape share one buffer of that many rows (graphs replay one at a time, and a replay's output
-        is read before the next), where one each would hold `sizes x vocabulary` logits per size."""
+        is read before the next), where one each would hold `sizes x vocabulary` logits per size.
+
+        `folds_attention`: trace the attention calls the backend can give as ops (`AttentionBackend.decode_ops`)
+        with the ops around them, so that a step replays as one traced call where every layer's is one; off
+        where graphs pad their batches (a padded step's attention is the backend's own call, made eagerly).
+        """
         self.backend = backend
         self.max_rows = max_rows
+        self.folds_attention = folds_attention
         self._outputs: dict[tuple, torch.Tensor] = {}  # (trailing shape, dtype) -> the buffer outputs are rows of
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Callable[[], None], Any]:
@@ -321,9 +361,10 @@ class TracedCapturer:
             recorder.paused = True  # the backend's own ops run at replay as they do now: not recorded
             try:
                 output = forward(layer_idx, q, k, v, terms)
+                ops = backend.decode_ops(layer_idx, q, k, v, terms) if self.folds_attention else None
             finally:
                 recorder.paused = False
-            recorder.calls.append(_AttentionCall(layer_idx, q, k, v, terms, output))
+            recorder.calls.append(_AttentionCall(layer_idx, q, k, v, terms, output, ops))
             return output
 
         patched = backend.__dict__.get("forward")

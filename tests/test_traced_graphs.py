@@ -168,6 +168,9 @@ class _EagerCalls:
         self.calls += 1
         return q * k.sum() + v  # [N, H, D]
 
+    def decode_ops(self, layer_idx, q, k, v, terms) -> None:
+        return None  # no call given as ops: each stays eager between traced runs
+
 
 def test_a_traced_capture_replays_the_ops_on_the_tensors_read_and_runs_the_eager_calls_between():
     backend = _EagerCalls()

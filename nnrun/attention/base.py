@@ -3,13 +3,29 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
 from nnrun.attention.score_terms import ScoreTerms
 from nnrun.forward_batch import ForwardBatch
 from nnrun.memory import KVPool
+
+
+@dataclass(frozen=True)
+class DecodeOps:
+    """A layer's decode attention call as plain tensor ops, for a CPU decode graph to trace (`traced_graph`).
+
+    `run(q, k, v, *inputs)` makes the call's ops with no Python branch and no shape fixed but the batch's, so
+    a trace of it serves every KV length; `inputs()` are the step's tensors it reads (slots, masks, the pool),
+    fetched at each replay from the backend's plan. `fits()` says whether the step's plan is one `run` serves
+    (else the replay makes the ordinary call).
+    """
+
+    run: Callable[..., torch.Tensor]
+    inputs: Callable[[], list[torch.Tensor]]
+    fits: Callable[[], bool]
 
 
 class AttentionBackend(ABC):
@@ -38,6 +54,12 @@ class AttentionBackend(ABC):
         terms: ScoreTerms,
     ) -> torch.Tensor:  # [N, Hq, Dv]
         ...
+
+    def decode_ops(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, terms: ScoreTerms
+    ) -> DecodeOps | None:
+        """This layer's decode call (on these example tensors) as ops a CPU decode graph may trace, or None."""
+        return None
 
     # ---- CUDA graphs (decode steps only) ---------------------------------------------------
     # A backend that can run inside a captured graph plans into buffers at fixed addresses: the

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from nnrun.attention.base import AttentionBackend
+from nnrun.attention.base import AttentionBackend, DecodeOps
 from nnrun.attention.masks import alibi_bias, allowed_keys, relative_position_bias, selected_keys
 from nnrun.attention.score_terms import HalfScores, ScoreTerms
 from nnrun.attention.step_layout import ExtendGroup, extend_groups, padded_decode_slots, rows_fill_table
@@ -167,6 +167,42 @@ class TorchAttnBackend(AttentionBackend):
         allowed = self._decode_mask(terms.sliding_window, terms.chunk_size, keys.shape[1])  # [B, 1, 1, L]
         return self._decode_any_terms(q, keys, values, allowed, terms)
 
+    def decode_ops(self, layer_idx, q, k, v, terms: ScoreTerms) -> DecodeOps | None:
+        """A heads-as-keys decode layer (`_decode`'s first case) as ops: the KV write, the gather of the step's
+        slots and the attention, read `[B, L * Hkv, D]` (-1 in the views: any KV length L), all of `forward`'s
+        call for such a layer. A padded graph's step (rows past the batch attend to nothing) does not fit."""
+        k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
+        if (
+            q.dim() != 3
+            or not _has_plain_scores(terms)
+            or not _heads_fit_as_keys(q, k_flat[None])  # (its KV heads on dim 2, as `_decode`'s gathered keys)
+            or (k.dtype, v.dtype) != (k_flat.dtype, v_flat.dtype)
+            or k.requires_grad
+            or v.requires_grad
+        ):
+            return None
+        num_rows, num_q_heads, num_kv_heads = q.shape[0], q.shape[1], k_flat.shape[1]
+        head_dim, value_dim = k_flat.shape[-1], v_flat.shape[-1]
+        scaling, softcap = terms.scaling, terms.softcap
+
+        def run(q, k, v, out_cache_loc, flat_slots, mask, k_flat, v_flat) -> torch.Tensor:
+            k_flat.index_copy_(0, out_cache_loc, k)  # as `KVPool.write`
+            v_flat.index_copy_(0, out_cache_loc, v)
+            flat_keys = k_flat.index_select(0, flat_slots).view(num_rows, -1, head_dim)  # [B, L * Hkv, D]
+            flat_values = v_flat.index_select(0, flat_slots).view(num_rows, -1, value_dim)
+            return _attend_flat_heads_as_keys(q, flat_keys, flat_values, mask, scaling, softcap)
+
+        def inputs() -> list[torch.Tensor]:
+            meta = self.metadata
+            mask = self._step_heads_as_keys_mask(terms, num_q_heads, num_kv_heads)
+            return [meta.out_cache_loc, meta.decode_flat_slots, mask, k_flat, v_flat]
+
+        def fits() -> bool:
+            meta = self.metadata
+            return meta.mode is ForwardMode.DECODE and meta.rows in (None, num_rows)
+
+        return DecodeOps(run, inputs, fits)
+
     def _decode_any_terms(self, q, keys, values, allowed, terms: ScoreTerms):
         """SDPA for plain scores, else HF eager's float32 arithmetic with every term of `terms`."""
         softcap, sinks, alibi_slopes = terms.softcap, terms.sinks, terms.alibi_slopes
@@ -291,8 +327,14 @@ def _attend_heads_as_keys(q, keys, values, mask, scaling: float, softcap: float 
     `_eager_attend` does, with one matmul per request instead of SDPA's one per (request, head).
     """
     num, kv_len, num_kv_heads, head_dim = keys.shape
-    flat_keys = keys.reshape(num, kv_len * num_kv_heads, head_dim).float()  # [B, L * Hkv, D]
-    flat_values = values.reshape(num, kv_len * num_kv_heads, values.shape[-1]).float()  # [B, L * Hkv, Dv]
+    flat_keys = keys.reshape(num, kv_len * num_kv_heads, head_dim)  # [B, L * Hkv, D]
+    flat_values = values.reshape(num, kv_len * num_kv_heads, values.shape[-1])  # [B, L * Hkv, Dv]
+    return _attend_flat_heads_as_keys(q, flat_keys, flat_values, mask, scaling, softcap)
+
+
+def _attend_flat_heads_as_keys(q, flat_keys, flat_values, mask, scaling: float, softcap: float | None) -> torch.Tensor:
+    """`_attend_heads_as_keys` on keys and values already read as `[B, L * Hkv, D]`."""
+    flat_keys, flat_values = flat_keys.float(), flat_values.float()
     if softcap is None:
         scores = torch.baddbmm(mask, q.float(), flat_keys.transpose(1, 2), alpha=scaling)  # [B, Hq, L * Hkv]
     else:
