@@ -6,8 +6,13 @@ has none. `TracedCapturer` records every aten op of one decode forward, as a CUD
 kernels, and hands each run of ops between two attention calls to `torch.jit.trace`, whose
 interpreter runs the same ATen kernels in the same order from C++ (about 1 µs an op; its
 optimisation passes off, so no op is fused or reordered and values are the eager step's, bitwise).
-Attention calls (`backend.forward`) run eagerly between the pieces, as vLLM's piecewise graphs leave
-attention out: their shapes change every step (the KV grows), and the backend plans them in Python.
+
+Attention calls (`backend.forward`) change shape every step (the KV grows) and are planned by the
+backend in Python. A call the backend can give as plain ops (`AttentionBackend.decode_ops`: the torch
+backend's decode of small heads, its views written with -1 where the KV length goes) joins the run
+around it, traced with the step's slots and masks as extra inputs fetched at each replay: a Llama's
+whole decode step is then one traced call. Any other call runs eagerly between the pieces, as vLLM's
+piecewise graphs leave attention out.
 
 A replay keeps a CUDA graph's semantics: tensors the recorded code read but did not make (weights,
 the graph runner's step buffers, the KV pool) are read as they are at replay; tensors the code made

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import nnrun
-from model_zoo import FAMILIES, hf_logits, make_model, make_twin, random_prompts
+from model_zoo import FAMILIES, VOCAB, hf_logits, make_model, make_twin, random_prompts
 from nnrun import traced_graph
+from nnrun.attention.base import DecodeOps
 from nnrun.cuda_graph import CaptureRefused
 from nnrun.traced_graph import CPU_CAPTURE_AFTER, TracedCapturer
 from test_cuda_graphs import count_replays
@@ -231,6 +232,105 @@ def test_a_run_whose_only_effect_is_a_write_in_place_is_traced_too(monkeypatch):
         replay()
         q = (step_input @ weight).view(3, 2, 2)
         assert torch.equal(static_output, torch.tanh((q * q.sum() + q).reshape(3, 4)))
+
+
+class _CallsAsOps(_EagerCalls):
+    """A stand-in backend that gives its call as ops: `q * keys.sum() + v` over the first `length` rows of a pool,
+    `length` changing from step to step (as a decode step's KV length does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = torch.randn(16, 2, 2)
+        self.length = 3
+        self.fit = True
+
+    def forward(self, layer_idx, q, k, v, terms):
+        self.calls += 1
+        return q * self.pool[: self.length].reshape(-1).sum() + v
+
+    def decode_ops(self, layer_idx, q, k, v, terms) -> DecodeOps:
+        def run(q, k, v, keys):
+            return q * keys.reshape(-1).sum() + v
+
+        return DecodeOps(run, lambda: [self.pool[: self.length]], lambda: self.fit)
+
+
+def test_an_attention_call_given_as_ops_joins_the_trace_whatever_its_kv_length(monkeypatch):
+    """A call the backend gives as ops (`decode_ops`) is traced with the ops around it, one traced run for the
+    whole forward; its step inputs change shape at each replay; a step it does not fit makes the eager call."""
+    traced, trace = [], traced_graph._traced
+
+    def counting_trace(run, example):
+        traced.append(run)
+        return trace(run, example)
+
+    monkeypatch.setattr(traced_graph, "_traced", counting_trace)
+    backend = _CallsAsOps()
+    weight = torch.randn(4, 4)
+    step_input = torch.randn(3, 4)
+
+    def forward():
+        q = (step_input @ weight).view(3, 2, 2)
+        return torch.tanh(backend.forward(0, q, q, q * 2, None).reshape(3, 4))
+
+    def expected():
+        q = (step_input @ weight).view(3, 2, 2)
+        return torch.tanh((q * backend.pool[: backend.length].reshape(-1).sum() + q * 2).reshape(3, 4))
+
+    replay, output = TracedCapturer(backend).capture(forward)
+    assert len(traced) == 1 and backend.calls == 2  # one run, traced; the warm-up and the recording called it
+    for length in (1, 9, 16, 5):
+        backend.length = length
+        step_input.copy_(torch.randn(3, 4))
+        replay()
+        assert torch.equal(output, expected()), length
+    assert backend.calls == 2  # every replay ran the call's ops inside the trace
+    backend.fit = False
+    replay()
+    assert torch.equal(output, expected()) and backend.calls == 3  # the backend's own call, the run op by op
+
+
+def _llama_of_head_dim_64(sliding_window: int | None = None) -> torch.nn.Module:
+    """Heads too wide to pack as keys: its decode attention is SDPA (with a window, Mistral's)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2)
+    shape.update(num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+    if sliding_window is None:
+        return LlamaForCausalLM(LlamaConfig(**shape)).eval()
+    return MistralForCausalLM(MistralConfig(**shape, sliding_window=sliding_window)).eval()
+
+
+@pytest.mark.parametrize(
+    "build",
+    [lambda: make_model("llama"), _llama_of_head_dim_64, lambda: _llama_of_head_dim_64(sliding_window=6)],
+    ids=["heads-as-keys", "sdpa", "sdpa-window"],
+)
+def test_replayed_decode_steps_make_no_eager_attention_call(build):
+    """The torch backend's decode attention is in the trace: once a size is captured, its steps call no
+    `forward` of the backend, however long the generation goes on (and tokens stay the eager steps')."""
+    model = build()
+    prompts = random_prompts([5])
+    calls_by_length = {}
+    for max_tokens in (12, 24):
+        llm = nnrun.LLM(model, max_num_seqs=8)
+        backend = llm.runner.attn_backend
+        forward, calls = backend.forward, []
+
+        def counting(*args, forward=forward, calls=calls):
+            calls.append(1)
+            return forward(*args)
+
+        backend.forward = counting
+        replays = count_replays(llm)
+        outputs = llm.generate(prompts, greedy(max_tokens))
+        assert replays["count"] == max_tokens - CPU_CAPTURE_AFTER  # decode steps from the capturing one on
+        calls_by_length[max_tokens] = len(calls)
+        eager, _ = generate(model, False, [greedy(max_tokens)], prompts)
+        assert [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs] == eager
+        llm.shutdown()
+    assert calls_by_length[12] == calls_by_length[24]
 
 
 @pytest.mark.parametrize(

@@ -168,33 +168,43 @@ class TorchAttnBackend(AttentionBackend):
         return self._decode_any_terms(q, keys, values, allowed, terms)
 
     def decode_ops(self, layer_idx, q, k, v, terms: ScoreTerms) -> DecodeOps | None:
-        """A heads-as-keys decode layer (`_decode`'s first case) as ops: the KV write, the gather of the step's
-        slots and the attention, read `[B, L * Hkv, D]` (-1 in the views: any KV length L), all of `forward`'s
-        call for such a layer. A padded graph's step (rows past the batch attend to nothing) does not fit."""
+        """A decode layer of plain scores as ops: the KV write, the gather of the step's slots and the attention
+        `_decode` would run (heads as keys, or SDPA), the views written with -1 where the KV length goes. Other
+        terms (HF eager's arithmetic) stay the backend's own calls, and so does a padded graph's step."""
         k_flat, v_flat = self.kv_pool.k_flat(layer_idx), self.kv_pool.v_flat(layer_idx)
         if (
             q.dim() != 3
             or not _has_plain_scores(terms)
-            or not _heads_fit_as_keys(q, k_flat[None])  # (its KV heads on dim 2, as `_decode`'s gathered keys)
             or (k.dtype, v.dtype) != (k_flat.dtype, v_flat.dtype)
             or k.requires_grad
             or v.requires_grad
         ):
             return None
+        heads_as_keys = _heads_fit_as_keys(q, k_flat[None])  # (its KV heads on dim 2, as `_decode`'s gathered keys)
+        if not heads_as_keys and (terms.softcap is not None or terms.rounds_as_hf_eager(q.dtype)):
+            return None
         num_rows, num_q_heads, num_kv_heads = q.shape[0], q.shape[1], k_flat.shape[1]
         head_dim, value_dim = k_flat.shape[-1], v_flat.shape[-1]
-        scaling, softcap = terms.scaling, terms.softcap
 
         def run(q, k, v, out_cache_loc, flat_slots, mask, k_flat, v_flat) -> torch.Tensor:
             k_flat.index_copy_(0, out_cache_loc, k)  # as `KVPool.write`
             v_flat.index_copy_(0, out_cache_loc, v)
-            flat_keys = k_flat.index_select(0, flat_slots).view(num_rows, -1, head_dim)  # [B, L * Hkv, D]
-            flat_values = v_flat.index_select(0, flat_slots).view(num_rows, -1, value_dim)
-            return _attend_flat_heads_as_keys(q, flat_keys, flat_values, mask, scaling, softcap)
+            if heads_as_keys:
+                flat_keys = k_flat.index_select(0, flat_slots).view(num_rows, -1, head_dim)  # [B, L * Hkv, D]
+                flat_values = v_flat.index_select(0, flat_slots).view(num_rows, -1, value_dim)
+                return _attend_flat_heads_as_keys(q, flat_keys, flat_values, mask, terms.scaling, terms.softcap)
+            keys = k_flat.index_select(0, flat_slots).view(num_rows, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
+            values = v_flat.index_select(0, flat_slots).view(num_rows, -1, num_kv_heads, value_dim)
+            gqa = num_q_heads != num_kv_heads
+            out = _sdpa(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), terms, attn_mask=mask, gqa=gqa)
+            return out[:, :, 0]  # [B, Hq, Dv]
 
         def inputs() -> list[torch.Tensor]:
             meta = self.metadata
-            mask = self._step_heads_as_keys_mask(terms, num_q_heads, num_kv_heads)
+            if heads_as_keys:
+                mask = self._step_heads_as_keys_mask(terms, num_q_heads, num_kv_heads)  # [B or 1, Hq, L * Hkv]
+            else:
+                mask = self._decode_mask(terms.sliding_window, terms.chunk_size, meta.decode_slots.shape[1])
             return [meta.out_cache_loc, meta.decode_flat_slots, mask, k_flat, v_flat]
 
         def fits() -> bool:
@@ -386,17 +396,18 @@ def _attend(q, k, v, prefix_len, terms: ScoreTerms):
     return _eager_attend(q, k, v, allowed, scaling, softcap, sinks, bias, terms.half_scores)
 
 
-def _sdpa(q, k, v, terms: ScoreTerms, attn_mask=None, is_causal: bool = False) -> torch.Tensor:
+def _sdpa(q, k, v, terms: ScoreTerms, attn_mask=None, is_causal: bool = False, gqa: bool | None = None) -> torch.Tensor:
     """torch's SDPA on q [G, Hq, n, D], k/v [G, Hkv, L, D(v)]: `[G, Hq, n, Dv]`.
 
     Values of `terms.num_value_parts` parts attend one call per part in half precision, as HF's calls do:
     the kernel's rounding depends on the values' width. In float32 one call gives the same numbers.
+    `gqa` (Hq != Hkv) given by a caller whose shapes are traced values (`decode_ops`), else read off them.
     """
     kwargs = {
         "attn_mask": attn_mask,
         "is_causal": is_causal,
         "scale": terms.scaling,
-        "enable_gqa": q.shape[1] != k.shape[1],
+        "enable_gqa": q.shape[1] != k.shape[1] if gqa is None else gqa,
     }
     if terms.num_value_parts == 1 or q.dtype == torch.float32:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
