@@ -116,8 +116,8 @@ class DeviceConfig:
     device: str = "cpu"
     dtype: str | torch.dtype | None = None
     attention_backend: str = "auto"  # "auto", "torch" or "flashinfer"
-    # Decode steps with no hooks or interventions replay decode graphs: CUDA graphs, or on CPU traced pieces around
-    # eager attention (nnrun/traced_graph.py, each batch size captured at its 4th such step)
+    # Decode steps with no hooks or interventions replay decode graphs: CUDA graphs, or on CPU the step's ops traced,
+    # attention included where the backend gives it as ops (nnrun/traced_graph.py, each size captured at its 4th step)
     enable_cuda_graphs: bool = True
     cuda_graph_batch_sizes: list[int] | None = None  # None: 1, 2, 4, 8, 16, 32, ... up to max_num_seqs (256 at most)
     # Decode steps that blocks watch replay per-layer graphs around the watched layers (`graph_pieces.py`);

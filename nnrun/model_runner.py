@@ -212,7 +212,7 @@ class ModelRunner(KVPoolSetup):
         """This device's decode graphs, or None (decode steps run eagerly).
 
         CUDA's graphs, every size at start, batches padded to the next size. On CPU (one process: a
-        rank's collectives stay eager), traced pieces around eager attention calls (`traced_graph`),
+        rank's collectives stay eager), the step's ops traced, attention included where it can be (`traced_graph`),
         every batch its own size (a padded batch's matmuls would round differently from the eager
         step's), each at its `CPU_CAPTURE_AFTER`-th step where its steps take under
         `CPU_CAPTURE_BELOW_S_PER_LAYER` per decoder layer.

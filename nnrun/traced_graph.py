@@ -1,4 +1,4 @@
-"""Decode graphs on CPU: a step's aten ops replayed by TorchScript's interpreter, attention left eager between them.
+"""Decode graphs on CPU: a step's aten ops replayed by TorchScript's interpreter, attention too where it can be.
 
 On CPU a small decode step's time is mostly Python: HF's module calls and torch's dispatch of each op
 from Python (3-6 µs an op, a few hundred ops a step). A CUDA graph removes that cost on a GPU; a CPU

@@ -1,7 +1,7 @@
 """Every causal LM family's CPU decode graphs and decoder-layer pieces against its eager steps, bitwise (make test-all).
 
-Decode graphs are on by default on CPU: a family's unwatched decode steps replay traced pieces around
-eager attention once a batch size is captured. The oracle is the same engine with graphs off. Each
+Decode graphs are on by default on CPU: a family's unwatched decode steps replay its traced ops (its attention
+among them where the backend gives it as ops, eager between traced pieces elsewhere) once a batch size is captured. The oracle is the same engine with graphs off. Each
 family captures at its first decode step here (`CPU_CAPTURE_AFTER` 1) and decodes 3 prompts for 8
 steps, the batch shrinking as they finish; tokens and logprobs must be bitwise equal. A family whose
 capture is refused (a host read in its forward) decodes eagerly and must still be equal; the refusal
