@@ -205,7 +205,8 @@ class TorchAttnBackend(AttentionBackend):
                 mask = self._step_heads_as_keys_mask(terms, num_q_heads, num_kv_heads)  # [B or 1, Hq, L * Hkv]
             else:
                 mask = self._decode_mask(terms.sliding_window, terms.chunk_size, meta.decode_slots.shape[1])
-            return [meta.out_cache_loc, meta.decode_flat_slots, mask, k_flat, v_flat]
+            pool = self.kv_pool  # (read at each replay, as the eager call reads it)
+            return [meta.out_cache_loc, meta.decode_flat_slots, mask, pool.k_flat(layer_idx), pool.v_flat(layer_idx)]
 
         def fits() -> bool:
             meta = self.metadata
