@@ -205,16 +205,22 @@ def test_a_traced_capture_replays_the_ops_on_the_tensors_read_and_runs_the_eager
     assert backend.calls == 6 and "forward" not in vars(backend)  # each replay called it once; unpatched after
 
 
-def test_a_run_whose_only_effect_is_a_write_in_place_is_traced_too(monkeypatch):
-    """A decoder-layer piece ends by copying its output into a static buffer, which nothing later in the recording
-    reads: that last run is traced like the others (it used to run op by op in Python, slower than eager)."""
-    traced, trace = [], traced_graph._traced
+@pytest.fixture
+def traced(monkeypatch) -> list:
+    """The runs `traced_graph` hands to the tracer, in order."""
+    runs, trace = [], traced_graph._traced
 
     def counting_trace(run, example):
-        traced.append(run)
+        runs.append(run)
         return trace(run, example)
 
     monkeypatch.setattr(traced_graph, "_traced", counting_trace)
+    return runs
+
+
+def test_a_run_whose_only_effect_is_a_write_in_place_is_traced_too(traced):
+    """A decoder-layer piece ends by copying its output into a static buffer, which nothing later in the recording
+    reads: that last run is traced like the others (it used to run op by op in Python, slower than eager)."""
     backend = _EagerCalls()
     weight = torch.randn(4, 4)
     step_input = torch.randn(3, 4)  # [3, 4] a static input buffer
@@ -255,16 +261,9 @@ class _CallsAsOps(_EagerCalls):
         return DecodeOps(run, lambda: [self.pool[: self.length]], lambda: self.fit)
 
 
-def test_an_attention_call_given_as_ops_joins_the_trace_whatever_its_kv_length(monkeypatch):
+def test_an_attention_call_given_as_ops_joins_the_trace_whatever_its_kv_length(traced):
     """A call the backend gives as ops (`decode_ops`) is traced with the ops around it, one traced run for the
     whole forward; its step inputs change shape at each replay; a step it does not fit makes the eager call."""
-    traced, trace = [], traced_graph._traced
-
-    def counting_trace(run, example):
-        traced.append(run)
-        return trace(run, example)
-
-    monkeypatch.setattr(traced_graph, "_traced", counting_trace)
     backend = _CallsAsOps()
     weight = torch.randn(4, 4)
     step_input = torch.randn(3, 4)
