@@ -293,7 +293,8 @@ class _Program:
         # The traced function returns what later steps read; a run whose only effect is in place returns the
         # tensors it changed, which the tracer needs as outputs (the piece stores nothing of them)
         returned = writes or list(dict.fromkeys(changed))
-        num_inputs = [len(ops.inputs()) for ops in folded]
+        capture_inputs = [ops.inputs() for ops in folded]  # each folded call's step inputs now (examples for the trace)
+        num_inputs = [len(inputs) for inputs in capture_inputs]
 
         def run_ops(*tensors: torch.Tensor, eager_attention: bool = False) -> tuple:
             """The run's ops on the read tensors, then (past them) each folded call's step inputs in order; with
@@ -316,7 +317,7 @@ class _Program:
 
         if not reads or not returned:  # nothing to hand the tracer (a run of factories, or of nothing read later)
             return _Piece(run_ops, reads, writes, folded, functools.partial(run_ops, eager_attention=True))
-        example = [captured[slot].detach() for slot in reads] + [t for ops in folded for t in ops.inputs()]
+        example = [captured[slot].detach() for slot in reads] + [t for inputs in capture_inputs for t in inputs]
         traced = _traced(run_ops, example)
         return _Piece(traced, reads, writes, folded, functools.partial(run_ops, eager_attention=True))
 

@@ -195,9 +195,7 @@ class TorchAttnBackend(AttentionBackend):
                 return _attend_flat_heads_as_keys(q, flat_keys, flat_values, mask, terms.scaling, terms.softcap)
             keys = k_flat.index_select(0, flat_slots).view(num_rows, -1, num_kv_heads, head_dim)  # [B, L, Hkv, D]
             values = v_flat.index_select(0, flat_slots).view(num_rows, -1, num_kv_heads, value_dim)
-            gqa = num_q_heads != num_kv_heads
-            out = _sdpa(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), terms, attn_mask=mask, gqa=gqa)
-            return out[:, :, 0]  # [B, Hq, Dv]
+            return _sdpa_decode(q, keys, values, terms, mask, gqa=num_q_heads != num_kv_heads)
 
         def inputs() -> list[torch.Tensor]:
             meta = self.metadata
@@ -223,10 +221,7 @@ class TorchAttnBackend(AttentionBackend):
             allowed = allowed & selected_keys(key_indices, keys.shape[1])[:, None, None, :]  # [B, 1, 1, L]
         plain = softcap is None and sinks is None and alibi_slopes is None and relative_logits is None
         if plain and not terms.rounds_as_hf_eager(q.dtype):
-            out = _sdpa(
-                q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), terms, attn_mask=allowed
-            )  # [B, Hq, 1, Dv]
-            return out[:, :, 0]
+            return _sdpa_decode(q, keys, values, terms, allowed)
         bias = None
         kv_pos = torch.arange(keys.shape[1], device=q.device)  # [L]
         distance = kv_pos[None, :] - (meta.decode_seq_lens - 1)[:, None]  # [B, L] key_pos - query_pos
@@ -414,6 +409,12 @@ def _sdpa(q, k, v, terms: ScoreTerms, attn_mask=None, is_causal: bool = False, g
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
     parts = v.chunk(terms.num_value_parts, dim=-1)
     return torch.cat([F.scaled_dot_product_attention(q, k, part, **kwargs) for part in parts], dim=-1)
+
+
+def _sdpa_decode(q, keys, values, terms: ScoreTerms, allowed, gqa: bool | None = None) -> torch.Tensor:
+    """`_sdpa` of each request's one query, q [B, Hq, D], over its keys/values [B, L, Hkv, D(v)] -> `[B, Hq, Dv]`."""
+    out = _sdpa(q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), terms, attn_mask=allowed, gqa=gqa)
+    return out[:, :, 0]  # [B, Hq, 1, Dv] -> [B, Hq, Dv]
 
 
 def _run_hf_eager(terms: ScoreTerms, q, k, v, allowed, bias, sinks) -> torch.Tensor:

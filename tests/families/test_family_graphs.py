@@ -1,11 +1,11 @@
 """Every causal LM family's CPU decode graphs and decoder-layer pieces against its eager steps, bitwise (make test-all).
 
 Decode graphs are on by default on CPU: a family's unwatched decode steps replay its traced ops (its attention
-among them where the backend gives it as ops, eager between traced pieces elsewhere) once a batch size is captured. The oracle is the same engine with graphs off. Each
-family captures at its first decode step here (`CPU_CAPTURE_AFTER` 1) and decodes 3 prompts for 8
-steps, the batch shrinking as they finish; tokens and logprobs must be bitwise equal. A family whose
-capture is refused (a host read in its forward) decodes eagerly and must still be equal; the refusal
-is allowed, a difference is not.
+among them where the backend gives it as ops, eager between traced pieces elsewhere) once a batch size is
+captured. The oracle is the same engine with graphs off. Each family captures at its first decode step here
+(`CPU_CAPTURE_AFTER` 1) and decodes 3 prompts for 8 steps, the batch shrinking as they finish; tokens and
+logprobs must be bitwise equal. A family whose capture is refused (a host read in its forward) decodes eagerly
+and must still be equal; the refusal is allowed, a difference is not.
 
 Decoder-layer pieces are on by default too: the second sweep reads a middle layer and steers the next one at
 every decode step of a generation, pieces captured at the first watched step, against the same with pieces off.
