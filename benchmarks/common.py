@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import LlamaConfig
@@ -152,3 +153,59 @@ def interleaved_runs(baseline, ours, reps: int) -> tuple[list[float], list[float
             fn()
             times.append(time.perf_counter() - start)
     return base_times, our_times
+
+
+class StepTimer:
+    """Wraps an engine's step phases (instance attributes only) and sums their seconds."""
+
+    def __init__(self, llm: Any, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock  # time.thread_time: the engine thread's CPU time, which other processes' load leaves alone
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.num_steps = 0
+        core, runner = llm.core, llm.runner
+        self.wrap(core.scheduler, "schedule", "schedule")
+        self.wrap(runner, "prepare_forward_batch_decode", "prepare")
+        self.wrap(runner, "prepare_forward_batch_extend", "prepare")
+        if hasattr(runner, "advance_decode_batch"):  # the engine's decode chain (absent before issue 36)
+            self.wrap(runner, "advance_decode_batch", "prepare")
+        self.wrap(runner.attn_backend, "init_forward_metadata", "plan")
+        self.wrap(runner.attn_backend, "forward", "attention")
+        self.wrap(runner, "run_model", "model")
+        self.wrap(runner, "sample", "sample")
+        self.wrap(core, "step", "step")
+
+    def wrap(self, owner: object, method: str, section: str) -> None:
+        inner: Callable = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            start = self.clock()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.seconds[section] += self.clock() - start
+                self.num_steps += section == "step"
+
+        setattr(owner, method, timed)
+
+    @contextmanager
+    def measuring(self) -> Iterator[None]:
+        self.seconds.clear()
+        self.num_steps = 0
+        yield
+
+    def per_step_ms(self) -> dict[str, float]:
+        """Milliseconds per step by section; `model` excludes the plan and `bookkeeping` is what is left."""
+        s, steps = self.seconds, max(1, self.num_steps)
+        model = s["model"] - s["plan"]
+        rest = s["step"] - s["schedule"] - s["prepare"] - s["model"] - s["sample"]
+        parts = {
+            "schedule": s["schedule"],
+            "prepare": s["prepare"],
+            "plan": s["plan"],
+            "model": model,
+            "attention": s["attention"],
+            "sample": s["sample"],
+            "bookkeeping": rest,
+            "step": s["step"],
+        }
+        return {name: 1e3 * value / steps for name, value in parts.items()}

@@ -21,7 +21,11 @@ Shapes: `1b` (Llama-3.2-1B), `8b` (Llama-3-8B), `tiny` (a CPU smoke test). One m
            vector, HF `generate`, nnsight on HF. Seconds, ratio to the engine, nnsight on HF's time
            over ours, microseconds per saved value. Only when named (`--only interventions`), and
            last: it shuts the plain engine down and builds nnrun's LanguageModel over the same
-           weights (its engine is the "engine alone" row).
+           weights (its engine is the "engine alone" row). With --profile-rows, what a decode step of
+           the engine alone, the empty trace, one layer saved and steering is made of: as `profile`
+           (the GPU's busy and idle time, launches, host waits), and the engine thread's own sections
+           (the model call, its decoder-layer pieces, the handoffs to blocks with the blocks' time,
+           sampling, the end of a watched step: the saved values' copies).
 
 The engine is given the HF module itself, so one copy of the weights serves both; HF baselines
 switch its attention to stock sdpa and back. Every contender first runs untimed on the same shapes
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import gc
 import json
 import math
@@ -51,7 +56,15 @@ from typing import Callable, Iterator
 import generation_rows
 import torch
 import transformers
-from common import decode_step_bytes, device_peaks, left_padded, prefill_flops, random_prompts, shape_config
+from common import (
+    StepTimer,
+    decode_step_bytes,
+    device_peaks,
+    left_padded,
+    prefill_flops,
+    random_prompts,
+    shape_config,
+)
 from transformers import AutoModelForCausalLM
 
 import nnrun
@@ -373,8 +386,92 @@ def run_interventions(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[flo
     with warnings.catch_warnings():  # nnsight warns that each open `tracer.all()` loop outran the generation
         warnings.simplefilter("ignore")
         seconds = generation_rows.best_times(rows, max(args.repeats, 1), sync=sync)
+        profiles = profile_rows(ours, setup, args.device) if args.profile_rows else {}
     ours.shutdown()
-    return generation_rows.report(seconds, setup)
+    report = generation_rows.report(seconds, setup)
+    for row in report:
+        row["profile"] = profiles.get(row["workload"])
+    return report
+
+
+# The rows `--profile-rows` takes apart: the engine alone and the traced rows that watch one layer or none
+PROFILED_ROWS = (
+    "engine.generate",
+    "traced, nothing inside",
+    "one layer saved every step",
+    "steering vector every step",
+)
+HOST_SECTIONS = ("step", "model", "pieces", "handoffs", "sample", "end of step")
+
+
+def profile_rows(ours: object, setup: generation_rows.GenerationSetup, device: torch.device) -> dict[str, dict]:
+    """Per decode step of each of `PROFILED_ROWS`, as `run_profile` takes a decode step: (a call of all the new
+    tokens - a call of one) / (new tokens - 1). From profiled calls: wall, GPU busy, launches, host waits; from
+    unprofiled ones, the engine thread's wall time in `HOST_SECTIONS` (`handoffs`: every visit of a watched
+    location, the blocks it wakes included; `end of step`: the saved values' copies and budget)."""
+    from interleaver.mediator import PackedInterleaver
+    from interleaver.requests import NNsightRequestHelper
+    from nnrun.graph_pieces import DecoderLayerPieces
+
+    llm = ours.engine
+    timer = StepTimer(llm)
+    wrapped = {(PackedInterleaver, "handle"): "handoffs", (DecoderLayerPieces, "call"): "pieces"}
+    wrapped[NNsightRequestHelper, "end_step"] = "end of step"
+    originals = {key: key[0].__dict__[key[1]] for key in wrapped}
+    for (owner, method), section in wrapped.items():
+        timer.wrap(owner, method, section)
+    calls = {1: dataclasses.replace(setup, new_tokens=1), setup.new_tokens: setup}
+    steps = setup.new_tokens - 1
+    profiles = {}
+    try:
+        for name in PROFILED_ROWS:
+
+            def run(s: generation_rows.GenerationSetup, name: str = name) -> None:
+                if name == "engine.generate":
+                    generation_rows.engine_generate(llm, s)
+                else:
+                    generation_rows.TRACED[name](ours, s)
+
+            profiled, host = {}, {}
+            for tokens, s in calls.items():
+                run(s)  # warm-up
+                with timer.measuring():
+                    run(s)
+                    host[tokens] = dict(timer.seconds)
+                profiled[tokens] = profile_generate(lambda s=s: run(s), device)
+            one, many = profiled[1], profiled[setup.new_tokens]
+            counted = ("wall_us", "busy_us", "kernel_launches", "graph_launches", "host_waits")
+            profiles[name] = {key: (many[key] - one[key]) / steps for key in counted}
+            profiles[name]["host_us"] = {
+                section: 1e6 * (host[setup.new_tokens].get(section, 0.0) - host[1].get(section, 0.0)) / steps
+                for section in HOST_SECTIONS
+            }
+    finally:
+        for (owner, method), original in originals.items():
+            setattr(owner, method, original)
+    return profiles
+
+
+def print_row_profiles(rows: list[dict]) -> None:
+    """`--profile-rows`' table: per decode step, the profile and the engine thread's sections."""
+    rows = [row for row in rows if row.get("profile")]
+    if not rows:
+        return
+    print(
+        "\n## interventions: per decode step (profiled: wall, GPU; unprofiled: the engine thread's sections, ms)\n\n"
+        "| workload | wall ms | GPU busy ms | GPU idle | kernel launches | graph launches | host waits | "
+        + " | ".join(HOST_SECTIONS)
+        + " |\n|"
+        + "---|" * (7 + len(HOST_SECTIONS))
+    )
+    for row in rows:
+        p = row["profile"]
+        idle = 1 - p["busy_us"] / p["wall_us"] if p["wall_us"] > 0 else float("nan")
+        host = " | ".join(f"{p['host_us'][section] / 1e3:.2f}" for section in HOST_SECTIONS)
+        print(
+            f"| {row['workload']} | {p['wall_us'] / 1e3:.2f} | {p['busy_us'] / 1e3:.2f} | {idle:.0%} | "
+            f"{p['kernel_launches']:.0f} | {p['graph_launches']:.1f} | {p['host_waits']:.2f} | {host} |"
+        )
 
 
 def _on_stock_sdpa(model: torch.nn.Module, run: Callable[[], object]) -> Callable[[], object]:
@@ -404,6 +501,7 @@ def result_row(size: int, tokens: int, seconds: float, hf_seconds: float | None,
 def print_table(section: str, rows: list[dict]) -> None:
     if section == "interventions":
         generation_rows.print_report(rows, heading=section)
+        print_row_profiles(rows)
         return
     if section == "profile":
         print_profile(rows)
@@ -467,6 +565,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", default=None, help="also write the results to this JSON file")
     parser.add_argument("--gen-prompts", type=int, default=None, help="interventions: prompts (one invoke each)")
     parser.add_argument("--gen-tokens", type=int, default=None, help="interventions: new tokens per prompt")
+    parser.add_argument(
+        "--profile-rows",
+        action="store_true",
+        help="interventions: also take apart a decode step of the engine alone, the empty trace, one layer, steering",
+    )
     parser.set_defaults(gen_prompt_lens=None)  # interventions: (shortest, longest) prompt, from the defaults
     args = parser.parse_args()
     defaults = GPU_DEFAULTS if args.device.startswith("cuda") else CPU_DEFAULTS

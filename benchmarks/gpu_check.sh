@@ -3,7 +3,7 @@
 # their time. Every step's log goes to $OUT (or benchmarks/out) as it runs.
 #
 #   bash benchmarks/gpu_check.sh [STEP ...]     # on the GPU machine, in the repository root; steps run in
-#                                               # the order given (default: 1 to 11)
+#                                               # the order given (default: 1 to 12)
 #
 # Needs the offline bundle (.whl/, from benchmarks/offline_bundle.sh). The GPU tests' models and the 8B
 # shape share FlashInfer's head-dim-128 bf16 kernels, so the JIT (about 2 minutes) is paid once, in step 1.
@@ -49,12 +49,16 @@ run_step() {
   10) step 10 120 decode-default "${decode[@]}" --skip-hf ;;
   # step 10 sampling (temperature 1, top-k 50): a sampled window's steps must not wait for the GPU either
   11) step 11 120 decode-sampled "${decode[@]}" --skip-hf --temperature 1 --top-k 50 ;;
+  # what a decode step of the engine alone, the empty trace, one layer saved and steering is made of: the GPU's
+  # busy and idle time, launches, host waits, and the engine thread's sections (pieces, handoffs, sampling, copies)
+  12) step 12 150 interventions-profile "${bench[@]}" --only interventions --batches 32 --repeats 1 --skip-hf \
+    --profile-rows ;;
   *) echo "no step $1" >&2 ;;
   esac
 }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$out/summary.txt"
-for n in "${@:-1 2 3 4 5 6 7 8 9 10 11}"; do
+for n in "${@:-1 2 3 4 5 6 7 8 9 10 11 12}"; do
   for m in $n; do run_step "$m"; done
 done
 cat "$out/summary.txt"

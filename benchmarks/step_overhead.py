@@ -34,73 +34,16 @@ from __future__ import annotations
 import argparse
 import time
 from collections import Counter, defaultdict
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
-from common import interleaved_times, left_padded, shape_config
+from common import StepTimer, interleaved_times, left_padded, shape_config
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import nnrun
 
 SECTIONS = ("schedule", "prepare", "plan", "model", "attention", "sample", "bookkeeping")
-
-
-class StepTimer:
-    """Wraps an engine's step phases (instance attributes only) and sums their seconds."""
-
-    def __init__(self, llm: nnrun.LLM, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.clock = clock  # time.thread_time: the engine thread's CPU time, which other processes' load leaves alone
-        self.seconds: dict[str, float] = defaultdict(float)
-        self.num_steps = 0
-        core, runner = llm.core, llm.runner
-        self.wrap(core.scheduler, "schedule", "schedule")
-        self.wrap(runner, "prepare_forward_batch_decode", "prepare")
-        self.wrap(runner, "prepare_forward_batch_extend", "prepare")
-        if hasattr(runner, "advance_decode_batch"):  # the engine's decode chain (absent before issue 36)
-            self.wrap(runner, "advance_decode_batch", "prepare")
-        self.wrap(runner.attn_backend, "init_forward_metadata", "plan")
-        self.wrap(runner.attn_backend, "forward", "attention")
-        self.wrap(runner, "run_model", "model")
-        self.wrap(runner, "sample", "sample")
-        self.wrap(core, "step", "step")
-
-    def wrap(self, owner: object, method: str, section: str) -> None:
-        inner: Callable = getattr(owner, method)
-
-        def timed(*args, **kwargs):
-            start = self.clock()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.seconds[section] += self.clock() - start
-                self.num_steps += section == "step"
-
-        setattr(owner, method, timed)
-
-    @contextmanager
-    def measuring(self) -> Iterator[None]:
-        self.seconds.clear()
-        self.num_steps = 0
-        yield
-
-    def per_step_ms(self) -> dict[str, float]:
-        """Milliseconds per step by section; `model` excludes the plan and `bookkeeping` is what is left."""
-        s, steps = self.seconds, max(1, self.num_steps)
-        model = s["model"] - s["plan"]
-        rest = s["step"] - s["schedule"] - s["prepare"] - s["model"] - s["sample"]
-        parts = {
-            "schedule": s["schedule"],
-            "prepare": s["prepare"],
-            "plan": s["plan"],
-            "model": model,
-            "attention": s["attention"],
-            "sample": s["sample"],
-            "bookkeeping": rest,
-            "step": s["step"],
-        }
-        return {name: 1e3 * value / steps for name, value in parts.items()}
 
 
 def llama(hidden: int, layers: int, vocab: int) -> LlamaForCausalLM:

@@ -6,11 +6,12 @@ gives each mediator its places in the step's layouts every step (interleaver/lay
 a layout, a tensor whose leading dims are the packed ones (`[1, N]`, `[1, R]`, `[B]`) is sliced;
 anything else (a mask, a cache object, `logits_to_keep`) is not per-token and passes whole.
 
-A one-request group reading a token-first tensor is served its request's own copy: the visit's
-first such read splits the flat tensor once by the step's spans (`_request_views`), and the mediator
-writes an in-place edit back when the block moves on (`write_back`), so a saved read pins nothing of
-the step. Under autograd, and for other values, it is served a view, so in-place edits land in the
-flat tensor, marked `_nnsight_batch` (under autograd) so `.grad` redirects to the tensor in the graph. A several-request group
+A one-request group reading a token-first tensor is served a view of its own rows, so in-place edits
+land in the flat tensor: the visit's first such read splits the flat tensor once by the step's spans
+(`_request_views`), and every other block waiting on that visit takes its request's view by row; a
+saved read is copied at the end of the step (`interleaver/saved_copies.py`), so it pins nothing of the
+step. Under autograd the view is narrowed on its own and marked `_nnsight_batch`, so `.grad` redirects
+to the tensor in the graph. A several-request group
 (a list invoke, an empty invoke) is served a gathered copy, left-padded as HF pads a batch
 (`[k, T_max, ...]`); `scatter_back` writes its real tokens back after the mediator moves on.
 Assignments (`widen`) never write into the flat tensor in place: the model continues from a new

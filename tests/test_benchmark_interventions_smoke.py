@@ -65,13 +65,61 @@ def check_rows(rows: dict[str, list[str]]) -> None:
     assert lowest - 0.005 <= float(floor_ratio.removesuffix("x")) <= highest + 0.005
 
 
+PROFILE_HEADING = "## interventions: per decode step"
+PROFILED_ROWS = [
+    "engine.generate",
+    "traced, nothing inside",
+    "one layer saved every step",
+    "steering vector every step",
+]
+PROFILE_COLUMNS = [
+    "wall ms",
+    "GPU busy ms",
+    "GPU idle",
+    "kernel launches",
+    "graph launches",
+    "host waits",
+    "step",
+    "model",
+    "pieces",
+    "handoffs",
+    "sample",
+    "end of step",
+]
+
+
+def check_profile(rows: dict[str, list[str]]) -> None:
+    """`--profile-rows` on a CPU: no kernels; the engine alone hands nothing to a block and copies no saved
+    value; the rows that read or steer a layer every step hand it to their blocks in every decode step."""
+    assert list(rows) == PROFILED_ROWS
+    cells = {name: dict(zip(PROFILE_COLUMNS, row, strict=True)) for name, row in rows.items()}
+    for name, row in cells.items():
+        assert float(row["wall ms"]) > 0 and float(row["step"]) > 0, name
+        assert row["GPU busy ms"] == "0.00" and row["kernel launches"] == "0", name
+    assert cells["engine.generate"]["handoffs"] == "0.00" and cells["engine.generate"]["end of step"] == "0.00"
+    assert float(cells["one layer saved every step"]["handoffs"]) > 0
+    assert float(cells["steering vector every step"]["handoffs"]) > 0
+
+
 @pytest.mark.slow
 def test_gpu_benchmark_interventions_section_on_cpu(tmp_path):
     output = run(
-        "gpu.py", "--shape", "tiny", "--device", "cpu", "--only", "interventions", "--repeats", "1", cwd=tmp_path
+        "gpu.py",
+        "--shape",
+        "tiny",
+        "--device",
+        "cpu",
+        "--only",
+        "interventions",
+        "--repeats",
+        "1",
+        "--profile-rows",
+        cwd=tmp_path,
     )
-    assert "## interventions" in output
-    check_rows(table_rows(output))
+    rows_table, _, profile_table = output.partition(PROFILE_HEADING)
+    assert "## interventions" in rows_table and profile_table
+    check_rows(table_rows(rows_table))
+    check_profile(table_rows(profile_table))
 
 
 @pytest.mark.slow
