@@ -443,21 +443,32 @@ class ModelRunner(KVPoolSetup):
             return self.sampler(logits, rows)
 
     def _mask_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-        """Rows still short of `min_tokens` cannot pick EOS or a stop token (HF's min_new_tokens)."""
+        """Rows still short of `min_tokens` cannot pick EOS or a stop token (HF's min_new_tokens).
+
+        Rows are grouped by their `SamplingParams` object (one for a whole batch that shares its settings), so a
+        step's Python per row is a length check: each group's stop tokens are worked out once, and its rows are
+        masked by one indexed write, or by columns when every row of the step is in it.
+        """
         vocab_size = logits.shape[-1]
-        rows: list[int] = []
-        columns: list[int] = []
+        short: dict[int, tuple[list[int], list[int]]] = {}  # id(params) -> (its stop tokens, its short rows)
         for row, req in enumerate(reqs):
             params = req.sampling_params
             if len(req.output_token_ids) >= params.min_tokens:
                 continue
-            stops = [t for t in {*self.eos_token_ids, *params.stop_token_ids} if 0 <= t < vocab_size]
-            rows.extend([row] * len(stops))
-            columns.extend(stops)
-        if not rows:  # nobody short, or nothing to forbid (no EOS, no stop tokens): the logits as they are
+            group = short.get(id(params))
+            if group is None:
+                stops = sorted(t for t in {*self.eos_token_ids, *params.stop_token_ids} if 0 <= t < vocab_size)
+                group = short[id(params)] = (stops, [])
+            group[1].append(row)
+        groups = [(stops, rows) for stops, rows in short.values() if stops]
+        if not groups:  # nobody short, or nothing to forbid (no EOS, no stop tokens): the logits as they are
             return logits
         logits = logits.clone()  # [B, V]; the caller's logits (nnsight's model.logits) stay as served
-        logits[rows, columns] = float("-inf")  # one indexed write for every (row, stop token) pair
+        for stops, rows in groups:
+            if len(rows) == len(reqs):
+                logits[:, stops] = float("-inf")
+            else:  # every (row, stop token) pair of the group
+                logits[torch.tensor(rows)[:, None], torch.tensor(stops)[None, :]] = float("-inf")
         return logits
 
     def requests_to_blame(self, reqs: list[Request]) -> list[Request]:

@@ -83,6 +83,17 @@ def test_min_tokens_masks_every_stop_of_every_short_row_in_one_write_and_nothing
     expected = torch.zeros(3, 16)
     expected[0, [t for t in stops if t < 16]] = float("-inf")
     assert torch.equal(masked, expected) and torch.equal(logits, torch.zeros(3, 16))  # the served logits unchanged
+    # Rows sharing one SamplingParams, all short (a batch's usual case: masked by columns), then one of them not
+    shared = [Request(f"shared{i}", [1, 2], held) for i in range(3)]
+    for done_row in (None, 1):
+        if done_row is not None:
+            shared[done_row].output_token_ids = [4, 4, 4]
+        masked = runner._mask_stops_before_min_tokens(logits, shared)
+        expected = torch.zeros(3, 16)
+        for row in range(3):
+            if row != done_row:
+                expected[row, [t for t in stops if t < 16]] = float("-inf")
+        assert torch.equal(masked, expected), done_row
     no_stops = [Request("plain", [1], nnrun.SamplingParams(max_tokens=4, min_tokens=3))]
     eos, runner.eos_token_ids = runner.eos_token_ids, set()
     try:
