@@ -415,8 +415,11 @@ def profile_rows(ours: object, setup: generation_rows.GenerationSetup, device: t
 
     llm = ours.engine
     timer = StepTimer(llm)
-    wrapped = {(PackedInterleaver, "handle"): "handoffs", (DecoderLayerPieces, "call"): "pieces"}
-    wrapped[NNsightRequestHelper, "end_step"] = "end of step"
+    wrapped = {
+        (PackedInterleaver, "handle"): "handoffs",
+        (DecoderLayerPieces, "call"): "pieces",
+        (NNsightRequestHelper, "end_step"): "end of step",
+    }
     originals = {key: key[0].__dict__[key[1]] for key in wrapped}
     for (owner, method), section in wrapped.items():
         timer.wrap(owner, method, section)

@@ -51,7 +51,7 @@ run_step() {
   11) step 11 120 decode-sampled "${decode[@]}" --skip-hf --temperature 1 --top-k 50 ;;
   # what a decode step of the engine alone, the empty trace, one layer saved and steering is made of: the GPU's
   # busy and idle time, launches, host waits, and the engine thread's sections (pieces, handoffs, sampling, copies)
-  12) step 12 150 interventions-profile "${bench[@]}" --only interventions --batches 32 --repeats 1 --skip-hf \
+  12) step 12 180 interventions-profile "${bench[@]}" --only interventions --batches 32 --repeats 1 --skip-hf \
     --profile-rows ;;
   *) echo "no step $1" >&2 ;;
   esac
