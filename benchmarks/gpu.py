@@ -449,6 +449,11 @@ def profile_rows(ours: object, setup: generation_rows.GenerationSetup, device: t
                 section: 1e6 * (host[setup.new_tokens].get(section, 0.0) - host[1].get(section, 0.0)) / steps
                 for section in HOST_SECTIONS
             }
+            # the whole call of all the new tokens, unsubtracted (the JSON report's: a difference may be noise)
+            profiles[name]["call_us"] = {
+                section: 1e6 * host[setup.new_tokens].get(section, 0.0) for section in HOST_SECTIONS
+            }
+            profiles[name]["call_us"]["wall"] = many["wall_us"]
     finally:
         for (owner, method), original in originals.items():
             setattr(owner, method, original)
