@@ -70,7 +70,7 @@ def test_checked_ids_skip_the_token_checks_but_not_the_length_check(tiny_llm):
         llm.make_request([5, llm.vocab_size], params)
 
 
-def test_min_tokens_masks_every_stop_of_every_short_row_in_one_write_and_nothing_without_stops(tiny_llm):
+def test_min_tokens_masks_every_stop_of_every_short_row_and_nothing_without_stops(tiny_llm):
     llm, _ = tiny_llm
     runner = llm.runner
     held = nnrun.SamplingParams(max_tokens=4, min_tokens=3, stop_token_ids=[7, 9])
