@@ -51,7 +51,7 @@ import tempfile
 import time
 import warnings
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import generation_rows
 import torch
@@ -279,6 +279,12 @@ def profile_generate(run: Callable[[], object], device: torch.device) -> dict:
     }
 
 
+def per_decode_step(one: dict, many: dict, keys: Iterable[str], steps: int) -> dict[str, float]:
+    """(a call's figure with all its new tokens - the one-token call's) / the decode steps between, per key
+    (a key one call lacks counts 0 there)."""
+    return {key: (many.get(key, 0.0) - one.get(key, 0.0)) / steps for key in keys}
+
+
 def run_profile(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, float] | None) -> list[dict]:
     """Per decode step: (profile of N tokens - profile of 1 token) / (N - 1), per batch."""
     rows, n = [], args.profile_tokens
@@ -292,10 +298,8 @@ def run_profile(llm: nnrun.LLM, args: argparse.Namespace, peaks: tuple[float, fl
         generate(2)()  # warm-up
         one, many = profile_generate(generate(1), args.device), profile_generate(generate(n), args.device)
         counted = ("wall_us", "busy_us", "kernels", "kernel_launches", "graph_launches", "host_waits")
-        per_step = {key: (many[key] - one[key]) / (n - 1) for key in counted}
-        kernels = {
-            name: (us - one["per_kernel_us"].get(name, 0.0)) / (n - 1) for name, us in many["per_kernel_us"].items()
-        }
+        per_step = per_decode_step(one, many, counted, n - 1)
+        kernels = per_decode_step(one["per_kernel_us"], many["per_kernel_us"], many["per_kernel_us"], n - 1)
         top = sorted(kernels.items(), key=lambda item: -item[1])[:6]
         rows.append({"kind": "decode", "size": batch, **per_step, "top_kernels_us": top})
     for batch in args.batches:  # a prefill call: its one step, sampling and bookkeeping included
@@ -423,36 +427,26 @@ def profile_rows(ours: object, setup: generation_rows.GenerationSetup, device: t
     originals = {key: key[0].__dict__[key[1]] for key in wrapped}
     for (owner, method), section in wrapped.items():
         timer.wrap(owner, method, section)
-    calls = {1: dataclasses.replace(setup, new_tokens=1), setup.new_tokens: setup}
+    setups = {1: dataclasses.replace(setup, new_tokens=1), setup.new_tokens: setup}
+    thunks = {tokens: generation_rows.workloads(ours, None, None, s) for tokens, s in setups.items()}
     steps = setup.new_tokens - 1
     profiles = {}
     try:
         for name in PROFILED_ROWS:
-
-            def run(s: generation_rows.GenerationSetup, name: str = name) -> None:
-                if name == "engine.generate":
-                    generation_rows.engine_generate(llm, s)
-                else:
-                    generation_rows.TRACED[name](ours, s)
-
             profiled, host = {}, {}
-            for tokens, s in calls.items():
-                run(s)  # warm-up
+            for tokens, rows in thunks.items():
+                rows[name]()  # warm-up
                 with timer.measuring():
-                    run(s)
-                    host[tokens] = dict(timer.seconds)
-                profiled[tokens] = profile_generate(lambda s=s: run(s), device)
+                    rows[name]()
+                    host[tokens] = {section: 1e6 * seconds for section, seconds in timer.seconds.items()}
+                profiled[tokens] = profile_generate(rows[name], device)
             one, many = profiled[1], profiled[setup.new_tokens]
             counted = ("wall_us", "busy_us", "kernel_launches", "graph_launches", "host_waits")
-            profiles[name] = {key: (many[key] - one[key]) / steps for key in counted}
-            profiles[name]["host_us"] = {
-                section: 1e6 * (host[setup.new_tokens].get(section, 0.0) - host[1].get(section, 0.0)) / steps
-                for section in HOST_SECTIONS
-            }
+            profiles[name] = per_decode_step(one, many, counted, steps)
+            profiles[name]["host_us"] = per_decode_step(host[1], host[setup.new_tokens], HOST_SECTIONS, steps)
             # the whole call of all the new tokens, unsubtracted (the JSON report's: a difference may be noise)
-            profiles[name]["call_us"] = {
-                section: 1e6 * host[setup.new_tokens].get(section, 0.0) for section in HOST_SECTIONS
-            }
+            whole = host[setup.new_tokens]
+            profiles[name]["call_us"] = {section: whole.get(section, 0.0) for section in HOST_SECTIONS}
             profiles[name]["call_us"]["wall"] = many["wall_us"]
     finally:
         for (owner, method), original in originals.items():
